@@ -1,0 +1,463 @@
+"""SEED: Self-Evolving on-policy Distillation for agentic RL (paper: ../shared/papers/seed.txt).
+
+Two stages, both in this file:
+  Stage 1, hindsight-skill SFT (§3.2): the base policy plays K0 rollouts of M tasks; an analyzer turns every
+    completed trajectory into a natural-language hindsight skill; well-formed skills (v_τ = 1) form D_sft; the
+    policy is fine-tuned to write s_τ from x_τ (L_sft, NLL of the skill tokens only).
+  Stage 2, self-evolving on-policy distillation (§3.3, Alg. 1): each update, θ_old plays N rollouts per task AND,
+    as the analyzer, writes one skill per trajectory; the current θ re-scores the same sampled action tokens with
+    and without the skill; Δ = sg[ℓ_skill − ℓ_θ] gates a sampled-token distillation loss (Eq. 1) that is added to
+    the clipped GRPO loss: L_SEED = L_rl + λ_opd L_opd.
+
+Run:
+  python seed.py                                           # embedded `household` env + offline tiny model, CPU
+  torchrun --nproc_per_node 2 seed.py                      # the same with 2 FSDP ranks (gloo)
+  torchrun --nproc_per_node 8 seed.py --env alfworld       # Qwen/Qwen2.5-3B-Instruct, Table 5 settings, 8 GPUs
+  torchrun --nproc_per_node 8 seed.py --env search --retriever_url http://127.0.0.1:8000/retrieve
+  python seed.py --annotator_url http://host:8000/v1 --annotator_model glm-5.2   # external stage-1 analyzer
+Ablations (Table 2): --skip_sft (w/o hindsight-skill SFT), --lambda_opd 0 (w/o OPD: plain GRPO),
+  --skill_source static (w/o on-policy skills: a fixed library of stage-1 skills).
+
+Deviations / choices:
+  * Without --annotator_url the stage-1 analyzer is the base policy itself (the paper uses GLM-5.2 at T = 0).
+  * The analyzer writes a skill as `<skill>…</skill>`; v_τ = 1 iff there is exactly one such block with 3–300
+    words. SFT targets are that formatted block + end-of-turn, so the SFT'd policy writes parseable skills.
+  * L_sft sums token NLLs within an example and averages over examples, as written in §3.2. SFT learning rate,
+    batch size and the stage-2 analyzer temperature (0, greedy, like the stage-1 annotator) are not given in the
+    paper: see Args.
+  * H(h, s) prepends a skill block to the agent prompt (user message); the skill is cut to `skill_max_tokens`.
+  * A trajectory without a valid skill contributes no OPD tokens: m in Eq. (1) is (valid token) × (has skill), and
+    L_opd is normalised by the mini-batch's count of such tokens. L_rl is normalised by all valid tokens.
+  * Trajectory-analysis input x_τ lists the steps first and the instructions last, so an over-long trajectory is
+    cut from its oldest steps (counted) and never loses the instructions.
+  * σ_q = 0 (tied group): (R − μ)/(σ + ε) = 0/ε = 0 for every member (ε = 1e-6), never NaN.
+  * The reference policy π_ref is the stage-1 checkpoint (the base model when stage 1 is skipped).
+  * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (not stated in Table 5; verl defaults).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import common as C
+import envs
+
+
+def arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Args:
+    """SEED (Table 5 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
+    env: str = arg("household", "household (embedded) | alfworld | search")
+    model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
+    data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
+    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
+    out_dir: str = arg("runs/seed", "metrics.jsonl, stage-1 and final checkpoints go here")
+    seed: int = arg(0, "random seed")
+    # Stage 1 (§3.2, §4.1)
+    skip_sft: bool = arg(False, "ablation 'w/o hindsight skill SFT': start stage 2 from the base model")
+    sft_tasks: int | None = arg(None, "M: training tasks for the offline pool (paper 180)")
+    sft_rollouts: int | None = arg(None, "K0: rollouts per task (paper 8)")
+    sft_epochs: int = arg(3, "SFT epochs (paper 3)")
+    sft_lr: float = arg(1e-5, "SFT learning rate (not in the paper)")
+    sft_batch: int = arg(32, "SFT examples per optimiser step over all ranks (not in the paper)")
+    annotator_url: str | None = arg(None, "OpenAI-compatible base URL of the external stage-1 analyzer")
+    annotator_model: str = arg("glm-5.2", "model name sent to the annotator endpoint")
+    annotator_max_tokens: int | None = arg(None, "annotator / analyzer max new tokens (paper 4096)")
+    # Stage 2 (Table 5)
+    updates: int | None = arg(None, "policy updates (paper 150)")
+    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)")
+    group_size: int | None = arg(None, "N rollouts per task (paper 8)")
+    lr: float = arg(1e-6, "learning rate (paper 1e-6)")
+    weight_decay: float = arg(0.01, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    clip_eps: float = arg(0.2, "PPO clip ε_clip (paper 0.2)")
+    beta_kl: float = arg(0.01, "KL coefficient β_KL (paper 0.01)")
+    beta_opd: float = arg(5.0, "gate sharpness β_opd (paper 5.0)")
+    lambda_opd: float = arg(0.01, "OPD coefficient λ_opd (paper 0.01); 0 = plain GRPO")
+    adv_eps: float = arg(1e-6, "ε in (R − μ)/(σ + ε)")
+    skill_source: str = arg("on_policy", "on_policy (θ_old analyzes) | static (stage-1 skill library)")
+    skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection")
+    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
+    max_response_len: int | None = arg(None, "response tokens (paper 512)")
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search)")
+    temperature: float = arg(1.0, "rollout sampling temperature")
+    top_p: float = arg(1.0, "rollout nucleus sampling")
+    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
+    micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
+    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
+    eval_every: int | None = arg(None, "validate every k updates (and after the last)")
+    eval_tasks: int | None = arg(None, "held-out tasks per validation (valid_seen)")
+    eval_temperature: float = arg(0.4, "validation sampling temperature")
+    save_every: int = arg(50, "save an HF checkpoint every k updates (and after the last)")
+
+
+PAPER = {  # Table 5 / §4.1
+    "alfworld": dict(updates=150, tasks_per_update=16, group_size=8, sft_tasks=180, sft_rollouts=8,
+                     max_prompt_len=2048, max_response_len=512, max_steps=30, annotator_max_tokens=4096,
+                     micro_batch=8, eval_every=10, eval_tasks=140),
+    "search": dict(updates=150, tasks_per_update=128, group_size=8, sft_tasks=180, sft_rollouts=8,
+                   max_prompt_len=4096, max_response_len=512, max_steps=4, annotator_max_tokens=4096,
+                   micro_batch=8, eval_every=10, eval_tasks=500),
+}
+PAPER["household"] = PAPER["alfworld"]
+TINY = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollouts=2, max_prompt_len=1024,
+            max_response_len=48, max_steps=6, annotator_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6)
+
+
+def resolve(args: Args) -> Args:
+    if args.model is None:
+        args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
+    preset = TINY if args.model == "tiny" else PAPER[args.env]
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available()
+    if args.skill_source not in ("on_policy", "static"):
+        raise SystemExit(f"--skill_source must be on_policy or static, got {args.skill_source!r}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The equations, as small functions
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """§3.3 / Alg. 1 l.10-12: A_{q,n} = (R − μ_q)/(σ_q + ε), population std over the group. rewards: [groups, N]."""
+    mu = rewards.mean(dim=1, keepdim=True)
+    sigma = rewards.std(dim=1, unbiased=False, keepdim=True)
+    return (rewards - mu) / (sigma + eps)
+
+
+def opd_loss(logp, skill_logp, mask, beta_opd: float, denom=None):
+    """Eq. (1) / Alg. 1 l.23-27. Δ = sg[ℓ_skill − ℓ_θ]; g = σ(β_opd Δ); L_opd = E[m · g · (sg[ℓ_skill] − ℓ_θ)],
+    a masked mean over valid tokens (`denom`: the mini-batch's token count). Returns (loss, gate)."""
+    delta = (skill_logp - logp).detach()
+    gate = torch.sigmoid(beta_opd * delta)
+    return C.masked_mean(gate * (skill_logp.detach() - logp), mask, denom), gate
+
+
+def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip_eps: float, beta_kl: float, denom=None):
+    """L_rl (§3.3): −E[min(ρA, clip(ρ, 1±ε)A)] + β_KL · D_KL, masked means over valid tokens; ρ = exp(ℓ_θ − ℓ_old).
+    adv is the trajectory advantage broadcast to tokens (A_{q,n,t,ℓ} = A_{q,n} m). Returns (loss, pg, kl)."""
+    pg = C.masked_mean(C.clipped_surrogate(logp, old_logp, adv, clip_eps), mask, denom)
+    kl = C.masked_mean(C.kl_k3(logp, ref_logp), mask, denom)
+    return pg + beta_kl * kl, pg, kl
+
+
+def sft_loss(logp, mask, n_examples):
+    """L_sft (§3.2): −E_(x,s)[Σ_ℓ log π(s_ℓ | x, s_<ℓ)]: token NLL summed per example, averaged over examples."""
+    return -(logp * mask).sum() / max(n_examples, 1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Trajectory analysis: x_τ, the analyzer, v_τ, and the context function H
+# ------------------------------------------------------------------------------------------------------------------
+
+ANALYZER_INSTRUCTIONS = """Above is a finished attempt by an agent. Read the whole trajectory and write ONE hindsight
+skill that would help an agent facing a similar task in the future.
+- If the attempt succeeded, state the reusable workflow that made it work, starting with "Workflow:".
+- If it failed, state a concrete rule that would have avoided the failure, starting with "Avoid".
+- Keep it general (no object numbers or ids), grounded in what actually happened, at most three sentences.
+Reply with the skill only, inside <skill> and </skill>."""
+
+
+def trajectory_input(traj: C.Trajectory, obs_chars: int = 300) -> str:
+    """x_τ (§3.2): the steps first, then task, outcome and instructions (see Deviations)."""
+    steps = []
+    for t, turn in enumerate(traj.turns):
+        act = turn.action if turn.valid else f"(invalid) {turn.response_text[:200]!r}"
+        steps.append(f"Step {t + 1}\n  Action: {act}\n  Observation: {turn.observation[:obs_chars]}")
+    outcome = "success" if traj.won else "failure"
+    return ("Trajectory:\n" + "\n".join(steps) + f"\n\nTask: {traj.task}\nOutcome: {outcome} "
+            f"(return {traj.reward:.2f} after {len(traj.turns)} steps)\n\n{ANALYZER_INSTRUCTIONS}")
+
+
+SKILL_RE = re.compile(r"<skill>(.*?)</skill>", re.S)
+
+
+def parse_skill(text: str | None) -> str | None:
+    """v_τ: exactly one <skill>…</skill> block with 3-300 words; returns the skill or None."""
+    blocks = SKILL_RE.findall(text or "")
+    if len(blocks) != 1:
+        return None
+    skill = " ".join(blocks[0].split())
+    return skill if 3 <= len(skill.split()) <= 300 else None
+
+
+def inject_skill(prompt_text: str, skill: str) -> str:
+    """H(h, s): the privileged skill block goes before the ordinary agent prompt (training time only)."""
+    return ("Hindsight skill distilled from a completed attempt at this task:\n"
+            f"{skill}\n\n{prompt_text}")
+
+
+def cut_skill(tok, skill: str, max_tokens: int) -> str:
+    ids = tok(skill, add_special_tokens=False)["input_ids"]
+    return skill if len(ids) <= max_tokens else tok.decode(ids[:max_tokens])
+
+
+def analyze(trajs, engine, args, client=None) -> list[str | None]:
+    """s_τ = A(x_τ) for every trajectory: an external endpoint if given, else the policy snapshot itself."""
+    inputs = [trajectory_input(tr) for tr in trajs]
+    if client is not None:
+        replies = client.complete_many(inputs, temperature=0.0, max_tokens=args.annotator_max_tokens)
+    else:
+        replies = engine.generate_text(inputs, 2 * args.max_prompt_len, args.annotator_max_tokens, temperature=0.0)
+    return [parse_skill(r) for r in replies]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stage 1: hindsight-skill SFT (§3.2)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def run_stage1(args, d, tok, make_env, train_ids, metrics) -> str:
+    """Collect B (M tasks × K0), annotate, keep v_τ = 1, fine-tune with L_sft, save θ_sft. Returns its path."""
+    timer = C.Timer()
+    policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16)
+    engine = C.HFEngine(C.load_model(args.model, args.seed, torch.bfloat16 if args.bf16 else torch.float32),
+                        tok, d.device)
+    tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
+    with timer("rollout"):
+        trajs, _ = C.collect(engine, make_env, tasks, args.sft_rollouts, args.max_prompt_len, args.max_response_len,
+                             args.temperature, args.top_p)
+    client = C.ChatClient(args.annotator_url, args.annotator_model, os.environ.get("OPENAI_API_KEY", "")) \
+        if args.annotator_url else None
+    with timer("analysis"):
+        skills = analyze(trajs, engine, args, client)
+    data = [(trajectory_input(tr), s) for tr, s in zip(trajs, skills) if s is not None]  # D_sft
+    library = [{"family": tr.family, "won": tr.won, "skill": s} for tr, s in zip(trajs, skills) if s is not None]
+    n_traj, n_sft = C.global_sum([len(trajs), len(data)], d.device)
+    row = {"stage": 1, "sft/trajectories": n_traj, "sft/examples": n_sft, "sft/valid_rate": n_sft / max(n_traj, 1),
+           "sft/annotator_failures": client.failures if client else 0}
+    row.update(C.rollout_metrics(trajs, d, "sft/"))
+    if n_sft == 0:
+        print(f"[seed] stage 1: 0 of {int(n_traj)} trajectories got a well-formed skill; SFT skipped")
+        row["sft/skipped"] = 1
+    else:
+        with timer("update"):
+            row.update(sft_train(policy, tok, data, args, d))
+    path = os.path.join(args.out_dir, "stage1")
+    C.save_checkpoint(policy, tok, path, d)
+    for part in C.all_gather_objects(library):
+        if d.main:
+            with open(os.path.join(path, "skills.jsonl"), "a") as f:
+                f.writelines(json.dumps(x) + "\n" for x in part)
+    metrics.log({**row, **timer.as_metrics()})
+    del policy, engine
+    return path
+
+
+def sft_train(policy, tok, data, args, d) -> dict:
+    """Minimise L_sft over D_sft for sft_epochs; examples are (x_τ chat prompt, "<skill>s</skill>" + end-of-turn)."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = [C.encode_prompt(tok, x, 2 * args.max_prompt_len)[0] for x, _ in data]
+    targets = [tok(f"<skill>{s}</skill>", add_special_tokens=False)["input_ids"] + [end] for _, s in data]
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
+    per_rank = max(1, args.sft_batch // d.world)
+    rng, losses = random.Random(args.seed + d.rank), []
+    for _ in range(args.sft_epochs):
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        for step in C.pad_chunks(C.chunk(order, per_rank), d.device):
+            n_global = C.global_sum([len(step)], d.device)[0]
+            total = 0.0
+            for idx in C.pad_chunks(C.chunk(step, args.micro_batch), d.device):
+                p, r = ([prompts[i] for i in idx], [targets[i] for i in idx]) if idx else ([C.DUMMY[0]], [C.DUMMY[1]])
+                logp, mask = C.sequence_logprobs(policy, p, r, tok.pad_token_id, d.device)
+                loss = sft_loss(logp, mask, n_global) * (d.world if idx else 0.0)  # FSDP averages over ranks
+                loss.backward()
+                total += loss.item() / d.world
+            C.clip_and_step(policy, opt, args.max_grad_norm)
+            losses.append(C.global_sum([total], d.device)[0])
+    return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1], "sft/steps": len(losses)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stage 2: one self-evolving OPD update (Alg. 1 l.5-30)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    teacher_ids: list[int] | None  # H(h, s) prompt, None when the trajectory has no valid skill
+    adv: float                     # A^rl_{q,n}, broadcast to the turn's tokens
+
+
+def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]:
+    """Alg. 1 l.10-15: group advantages and the skill-augmented context of every turn."""
+    groups = sorted({tr.group for tr in trajs})
+    rewards = torch.tensor([[tr.reward for tr in trajs if tr.group == g] for g in groups])
+    adv = group_advantages(rewards, args.adv_eps)
+    members = {g: [tr for tr in trajs if tr.group == g] for g in groups}
+    adv_of = {id(tr): adv[gi, n].item() for gi, g in enumerate(groups) for n, tr in enumerate(members[g])}
+    samples = []
+    for tr, skill in zip(trajs, skills):
+        skill = cut_skill(tok, skill, args.skill_max_tokens) if skill else None
+        for turn in tr.turns:
+            teacher = C.encode_prompt(tok, inject_skill(turn.prompt_text, skill), 2 * args.max_prompt_len)[0] \
+                if skill else None
+            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)]))
+    return samples, adv
+
+
+def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
+    """Cache ℓ_old and ℓ_ref (Alg. 1 l.16), then one epoch of mini-batches of L_SEED (l.21-29)."""
+    P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    pad = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
+    with timer("scoring"):
+        old = C.score(policy, P, R, args.micro_batch, pad, d.device)   # ℓ_old: θ_old = θ before this update
+        ref_lp = C.score(ref, P, R, args.micro_batch, pad, d.device)   # π_ref for the KL term
+    order = list(range(len(samples)))
+    random.Random(args.seed + d.rank).shuffle(order)
+    n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
+    sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
+    norms = []
+    with timer("update"):
+        for mb in [order[i::n_mb] for i in range(n_mb)]:
+            n_tok, n_opd = C.global_sum([sum(len(R[i]) for i in mb),
+                                         sum(len(R[i]) for i in mb if samples[i].teacher_ids)], d.device)
+            for idx in C.pad_chunks(C.chunk(mb, args.micro_batch), d.device):
+                scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
+                rows = idx or [None]
+                p = [P[i] for i in idx] or [C.DUMMY[0]]
+                r = [R[i] for i in idx] or [C.DUMMY[1]]
+                # Alg. 1 l.22: ℓ_skill with the current θ, no gradient (teacher branch) ...
+                skill_lp = torch.zeros(len(rows), max(map(len, r)), device=d.device)
+                has = torch.zeros(len(rows), 1, device=d.device)
+                if args.lambda_opd > 0:
+                    with_skill = [j for j, i in enumerate(idx) if samples[i].teacher_ids]
+                    tp = [samples[idx[j]].teacher_ids for j in with_skill] or [C.DUMMY[0]]
+                    tr = [r[j] for j in with_skill] or [C.DUMMY[1]]
+                    with torch.no_grad():
+                        t_lp, _ = C.sequence_logprobs(policy, tp, tr, pad, d.device)
+                    for k, j in enumerate(with_skill):
+                        skill_lp[j, :len(r[j])] = t_lp[k, :len(r[j])]
+                        has[j] = 1.0
+                # ... and ℓ_θ with gradient (student branch, ordinary context)
+                logp, mask = C.sequence_logprobs(policy, p, r, pad, d.device)
+                old_lp = C.pad_right([old[i] for i in idx] or [torch.zeros(1)], d.device)
+                ref_b = C.pad_right([ref_lp[i] for i in idx] or [torch.zeros(1)], d.device)
+                adv = torch.tensor([samples[i].adv for i in idx] or [0.0], device=d.device)[:, None]
+                l_rl, pg, kl = grpo_loss(logp, old_lp, ref_b, adv, mask, args.clip_eps, args.beta_kl, n_tok)
+                loss = l_rl
+                if args.lambda_opd > 0:
+                    l_opd, gate = opd_loss(logp, skill_lp, mask * has, args.beta_opd, n_opd)
+                    loss = l_rl + args.lambda_opd * l_opd  # L_SEED (Alg. 1 l.28)
+                    m = (mask * has).detach()
+                    sums["opd"] += l_opd.item()
+                    sums["gate"] += (gate * m).sum().item()
+                    sums["gate_sq"] += (gate ** 2 * m).sum().item()
+                    sums["delta"] += ((skill_lp - logp).detach() * m).sum().item()
+                    sums["opd_tokens"] += m.sum().item()
+                (loss * scale).backward()
+                sums["pg"] += pg.item() * bool(idx)
+                sums["kl"] += kl.item() * bool(idx)
+                sums["tokens"] += mask.sum().item() * bool(idx)
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))  # Alg. 1 l.29
+    keys = list(sums)
+    tot = dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device)))
+    n_opd = max(tot["opd_tokens"], 1.0)
+    gate_mean = tot["gate"] / n_opd
+    return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb, "losses/opd": tot["opd"] / n_mb,
+            "losses/total": (tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
+            "opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0)),
+            "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
+            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
+
+
+def static_library(path: str):
+    """Ablation 'w/o on-policy skill': skills written at stage 1, looked up by (family, outcome)."""
+    lib: dict[tuple, list[str]] = {}
+    file = os.path.join(path, "skills.jsonl")
+    for line in open(file) if os.path.exists(file) else []:
+        x = json.loads(line)
+        lib.setdefault((x["family"], x["won"]), []).append(x["skill"])
+    return lib
+
+
+def library_skills(trajs, lib, rng) -> list[str | None]:
+    picks = []
+    for tr in trajs:
+        pool = lib.get((tr.family, tr.won)) or lib.get((tr.family, not tr.won)) or []
+        picks.append(rng.choice(pool) if pool else None)
+    return picks
+
+
+def main(args: Args):
+    args = resolve(args)
+    d = C.init_distributed(args.seed)
+    tok = C.load_tokenizer(args.model)
+    env_kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps)
+    if args.retriever_url:
+        env_kw["retriever_url"] = args.retriever_url
+    train_ids = envs.make_env(args.env, split="train", **env_kw).task_ids()
+    valid_ids = envs.make_env(args.env, split="valid_seen", **env_kw).task_ids()[:args.eval_tasks]
+    make_train = lambda: envs.make_env(args.env, split="train", **env_kw)  # noqa: E731
+    make_valid = lambda: envs.make_env(args.env, split="valid_seen", **env_kw)  # noqa: E731
+    metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates + 1, "seed")
+    if d.main:
+        with open(os.path.join(args.out_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=1)
+
+    # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input)
+    init = args.model if args.skip_sft else run_stage1(args, d, tok, make_train, train_ids, metrics)
+    if args.skill_source == "static" and args.skip_sft:
+        raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
+    lib = static_library(init) if args.skill_source == "static" else None
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    policy = C.shard(C.load_model(init, args.seed), d, args.bf16)                  # Alg. 1 l.3: θ ← θ_sft
+    ref = C.shard(C.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
+    engine = C.HFEngine(C.load_model(init, args.seed, dtype), tok, d.device)
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    for update in range(args.updates):
+        timer = C.Timer()
+        with timer("sync"):
+            engine.sync(policy)                                                      # Alg. 1 l.5: θ_old ← θ
+        tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
+        with timer("rollout"):                                                       # l.9: G_q ~ π_θold
+            trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
+                                      args.max_response_len, args.temperature, args.top_p)
+        with timer("analysis"):                                                      # l.13: s = A_θold(x_τ)
+            skills = analyze(trajs, engine, args) if lib is None else library_skills(trajs, lib, random.Random(update))
+        samples, adv = build_samples(trajs, skills, tok, args)                      # l.10-15
+        row = {"update": update, "stage": 2, **seed_update(policy, ref, opt, samples, args, d, timer)}
+        n_sk, n_tr, n_zero, n_grp = C.global_sum([sum(s is not None for s in skills), len(trajs),
+                                                  float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
+        row.update({"skills/valid_rate": n_sk / max(n_tr, 1), "adv/tied_group_frac": n_zero / max(n_grp, 1),
+                    "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
+                    "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
+                    "rollout/unterminated_responses": C.global_sum([cstats.unterminated_responses], d.device)[0],
+                    **C.rollout_metrics(trajs, d)})
+        last = update + 1 == args.updates
+        if args.eval_every and ((update + 1) % args.eval_every == 0 or last):
+            engine.sync(policy)
+            with timer("eval"):
+                row.update(C.evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
+                                      args.eval_temperature))
+        if (update + 1) % args.save_every == 0 or last:
+            with timer("save"):
+                C.save_checkpoint(policy, tok, os.path.join(args.out_dir, "final" if last else f"update{update + 1}"),
+                                  d)
+        row.update(timer.as_metrics())
+        row["time/update"] = sum(timer.s.values())
+        metrics.log(row)
+    metrics.close()
+    C.shutdown()
+
+
+if __name__ == "__main__":
+    main(C.parse_args(Args))
