@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # one progress bar per run: ours (Metrics)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Distributed setup: plain `python` (a 1-rank gloo group) or `torchrun` (gloo on CPU, nccl on GPU)
@@ -462,7 +464,7 @@ class Metrics:
         if self.d.main:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            keys = [k for k in ("charts/success_rate", "losses/total", "time/update") if k in row]
+            keys = [k for k in ("charts/success_rate", "losses/total", "time/total") if k in row]
             self.bar.set_postfix({k.split("/")[-1]: round(row[k], 4) for k in keys})
             self.bar.update(1)
 

@@ -453,7 +453,7 @@ def main(args: Args):
                 C.save_checkpoint(policy, tok, os.path.join(args.out_dir, "final" if last else f"update{update + 1}"),
                                   d)
         row.update(timer.as_metrics())
-        row["time/update"] = sum(timer.s.values())
+        row["time/total"] = sum(timer.s.values())
         metrics.log(row)
     metrics.close()
     C.shutdown()

@@ -1,0 +1,666 @@
+"""Environments for the agentic-RL reference code: protocol, agent prompts, action parsing.
+
+Protocol: env = make_env(name, split, seed, data_dir, **kw) (one independent instance per rollout);
+env.task_ids() lists the split's tasks in a fixed order; env.reset(task_id) sets env.task (the goal in
+words) and env.family; env.prompt() is the user message of the current step; env.step(model_text) returns
+(observation, reward, done, info); env.expert_action() is a scripted next action or None.
+
+`reward` is the step's task reward minus `invalid_penalty` if the step was invalid, so the episode sum is
+the return R(tau). An episode ends when won, when a search answer is given, or after `max_steps` steps
+(hitting the limit is a failure). `info` always holds "won", "valid", "action" (the parsed action, also
+when rejected; None if the tags were malformed), "family" and "admissible" (actions of the new state;
+None for search). Stepping a finished episode is a no-op: done=True, reward 0.
+
+Response format: exactly one `<think>...</think>` block, followed by exactly one `<action>...</action>`
+(household, alfworld) or exactly one `<search>query</search>` / `<answer>...</answer>` (search).
+Anything else, or an action that is not admissible (case/whitespace-insensitive), is an invalid step:
+the state does not change, the observation is the benchmark's reply to a bad command ("Nothing
+happens." in ALFWorld) and the reward is -invalid_penalty. No input string makes anything raise.
+
+Environments
+------------
+household  A small seeded text household mimicking ALFWorld's commands, texts and six task families.
+           200 train, 30 valid_seen, 30 valid_unseen tasks ("household-train-17"); a layout is a function of
+           (seed, task id); valid_unseen uses object types never seen in train. A privileged scripted
+           expert solves every task, also when it takes over mid-episode.
+alfworld   The real games via `alfworld` (pip install alfworld==0.4.2 pyyaml), one game file per instance.
+           data_dir (default $ALFWORLD_DATA) holds json_2.1.1/{train|valid_train,valid_seen,valid_unseen}.
+           Task ids are game-file paths relative to data_dir. Bad commands are answered here, never sent;
+           "help" is dropped from the admissible list.
+search     Search-R1 protocol over FlashRAG-format question files (data_dir, default $SEARCH_QA_DATA).
+           Splits: every question file except bamboogle is split 80/20 by a hash of "<file>/<id>" into
+           train / valid_seen; valid_unseen is bamboogle.jsonl. Task ids are "<file stem>/<id>".
+           Retrieval: an HTTP retriever (retriever_url kw or $RETRIEVER_URL, Search-R1's POST /retrieve)
+           or, by default, the in-process BM25Retriever over <data_dir>/corpus/hotpotqa_hard100_corpus.jsonl.
+           Reward: exact match after Search-R1's answer normalisation, on the answer step.
+
+CLI: `python envs.py serve-retriever --corpus corpus.jsonl --port 8000` serves BM25 at http://127.0.0.1:8000/retrieve.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import re
+import string
+import sys
+import threading
+import time
+import urllib.request
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ENV_NAMES = ("household", "alfworld", "search")
+SPLITS = ("train", "valid_seen", "valid_unseen")
+TASK_PREFIX = "Your task is to: "
+TURN_PREFIX = "Now it's your turn"
+FAMILIES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+            "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
+
+HOUSEHOLD_INTRO = ("You are an agent in a text-based household simulator. Each step you type one command, "
+                   "and the simulator tells you what you observe.")
+HOUSEHOLD_TURN = (TURN_PREFIX + " to act. First reason step by step about the situation and your next move "
+                  "inside <think> </think>. Then write exactly one of the admissible actions inside "
+                  "<action> </action>, for example <action>go to cabinet 1</action>.")
+SEARCH_INTRO = ("You are a question-answering agent. You may consult a search engine over encyclopedia "
+                "passages before you answer.")
+SEARCH_TURN = (TURN_PREFIX + " to respond. Reason step by step inside <think> </think>. Then either look up "
+               "a missing fact with exactly one query inside <search> </search> (results come back inside "
+               "<information> </information>), or give the final answer in a few words inside "
+               "<answer> </answer>, for example <answer>Paris</answer>.")
+SEARCH_INVALID = ("Your response was not valid. After your reasoning in <think> </think>, write one query "
+                  "inside <search> </search> or the final answer inside <answer> </answer>.")
+
+
+# ----------------------------------------------------------------------------- response parsing
+def _count(tag: str, text: str) -> int:
+    return len(re.findall(re.escape(tag), text, re.IGNORECASE))
+
+
+def parse_action(text, tags=("action",), admissible=None) -> tuple[str | None, bool]:
+    """Return (action, valid). action is the admissible spelling when valid, the rejected text when the
+    tags were well formed but the command is not admissible, and None when the format is broken.
+    For tags other than ("action",) the action is returned re-tagged, e.g. "<search>who</search>"."""
+    text = text if isinstance(text, str) else str(text)
+    if _count("<think>", text) != 1 or _count("</think>", text) != 1:
+        return None, False
+    head, rest = re.split("</think>", text, maxsplit=1, flags=re.IGNORECASE)
+    if _count("<think>", head) != 1:
+        return None, False
+    if sum(_count(f"<{t}>", rest) for t in tags) != 1 or sum(_count(f"</{t}>", rest) for t in tags) != 1:
+        return None, False
+    m = re.search(r"<(%s)>(.*?)</\1>" % "|".join(tags), rest, re.IGNORECASE | re.DOTALL)
+    content = " ".join(m.group(2).split()) if m else ""
+    if not content:
+        return None, False
+    if tuple(tags) != ("action",):
+        tag = m.group(1).lower()
+        return f"<{tag}>{content}</{tag}>", True
+    if admissible is None:
+        return content, True
+    hit = {" ".join(a.lower().split()): a for a in admissible}.get(content.lower())  # content is space-collapsed
+    return (hit, True) if hit else (content[:300], False)
+
+
+def format_expert_response(action: str, env_name: str) -> str:
+    """Wrap an action in the response format of env_name (search: a tagged action, else an answer)."""
+    if env_name == "search":
+        tagged = action if action.lstrip().startswith("<") else f"<answer>{action}</answer>"
+        return f"<think>I know what to do next.</think>\n{tagged}"
+    return f"<think>The next step of my plan is: {action}.</think>\n<action>{action}</action>"
+
+
+# ----------------------------------------------------------------------------- base environment
+class Env:
+    """Shared episode bookkeeping and prompt layout; subclasses implement _start, _act, admissible."""
+    name = "base"
+    max_steps, history_len, invalid_penalty = 30, 5, 0.1
+    tags, info_defaults = ("action",), {}
+    intro, turn, invalid_observation = HOUSEHOLD_INTRO, HOUSEHOLD_TURN, "Nothing happens."
+
+    def __init__(self, max_steps: int | None = None, history_len: int | None = None):
+        self.max_steps = max_steps or self.max_steps
+        self.history_len = history_len if history_len is not None else self.history_len
+        self.task, self.family, self.observation, self.task_id = "", "", "", None
+        self.history, self.steps, self.done, self.won = [], 0, True, False
+
+    def task_ids(self) -> list[str]:
+        return list(self._ids)
+
+    def reset(self, task_id: str) -> None:
+        self.task_id = task_id
+        self.task, self.family, self.observation = self._start(task_id)
+        self.history, self.steps, self.done, self.won = [], 0, False, False
+
+    def admissible(self) -> list[str] | None:  # None: the benchmark has no action list
+        return None
+
+    def expert_action(self) -> str | None:
+        return None
+
+    def close(self) -> None:  # release game resources (alfworld)
+        pass
+
+    def prompt(self) -> str:
+        parts = [self.intro, TASK_PREFIX + self.task]
+        recent = self.history[-self.history_len:] if self.history_len > 0 else []
+        if recent:
+            lines = [f"Your last {len(recent)} steps (of {self.steps} so far):"]
+            for i, (obs, act) in enumerate(recent, start=self.steps - len(recent) + 1):
+                lines += [f"Step {i} Observation: {obs}", f"Step {i} Action: {act}"]
+            parts.append("\n".join(lines))
+        parts.append(f"Step {self.steps + 1} of {self.max_steps}. Current observation: {self.observation}")
+        parts += [p for p in (self._prompt_extra(), self.turn) if p]
+        return "\n\n".join(parts)
+
+    def _prompt_extra(self) -> str:
+        actions = self.admissible()
+        return "Admissible actions: [" + ", ".join(f"'{a}'" for a in actions) + "]" if actions else ""
+
+    def step(self, response: str) -> tuple[str, float, bool, dict]:
+        if self.done:
+            return self.observation, 0.0, True, self._info(None, False, {})
+        action, valid = parse_action(response, self.tags, self.admissible())
+        if valid:
+            obs, reward, won, finished, extra = self._act(action)
+        else:  # the state is untouched
+            obs, reward, won, finished, extra = self.invalid_observation, -self.invalid_penalty, False, False, {}
+        shown = action if action is not None else "(no well-formed action)"
+        self.history.append((self.observation, shown[:300]))
+        self.steps += 1
+        self.observation, self.won = obs, won
+        self.done = won or finished or self.steps >= self.max_steps
+        return obs, float(reward), self.done, self._info(action, valid, extra)
+
+    def _info(self, action, valid, extra) -> dict:
+        return {"won": self.won, "valid": valid, "action": action, "family": self.family,
+                "admissible": self.admissible(), **self.info_defaults, **extra}
+
+
+# ----------------------------------------------------------------------------- household (embedded)
+OPENABLE = {"cabinet", "drawer", "fridge", "microwave", "safe"}
+OPTIONAL_RECEPTACLES = ("diningtable", "sidetable", "desk", "dresser", "coffeetable", "sofa", "garbagecan",
+                        "stoveburner", "coffeemachine", "toaster", "safe", "bed", "shelf")
+NOT_TARGET = {"fridge", "microwave", "sinkbasin", "stoveburner", "toaster"}
+LAMP_HOLDERS = ("desk", "sidetable", "dresser")
+APPLIANCE = {"clean": "sinkbasin 1", "heat": "microwave 1", "cool": "fridge 1"}
+SMALL = ("book", "pen", "pencil", "cd", "cellphone", "keychain", "creditcard", "remotecontrol", "candle",
+         "soapbottle", "watch", "statue", "vase", "tissuebox")
+FOOD = ("apple", "potato", "egg", "bread", "tomato", "lettuce")
+DISH = ("mug", "plate", "bowl", "cup", "pan", "pot")
+UTENSIL = ("fork", "knife", "spoon", "spatula", "ladle")
+UNSEEN_TYPES = {"watch", "statue", "vase", "lettuce", "pot", "ladle"}  # only in valid_unseen tasks
+TASK_OBJECTS = {
+    "pick_and_place_simple": SMALL + DISH, "look_at_obj_in_light": SMALL,
+    "pick_clean_then_place_in_recep": DISH + UTENSIL + ("apple", "tomato", "lettuce", "potato"),
+    "pick_heat_then_place_in_recep": FOOD + ("mug", "plate", "cup", "pot"),
+    "pick_cool_then_place_in_recep": FOOD + DISH, "pick_two_obj_and_place": SMALL + DISH}
+TASK_TEXTS = {
+    "pick_and_place_simple": ("put a {o} in {r}.", "put some {o} on {r}."),
+    "look_at_obj_in_light": ("look at {o} under the desklamp.", "examine the {o} with the desklamp."),
+    "pick_clean_then_place_in_recep": ("put a clean {o} in {r}.", "clean some {o} and put it in {r}."),
+    "pick_heat_then_place_in_recep": ("put a hot {o} in {r}.", "heat some {o} and put it in {r}."),
+    "pick_cool_then_place_in_recep": ("put a cool {o} in {r}.", "cool some {o} and put it in {r}."),
+    "pick_two_obj_and_place": ("put two {o} in {r}.", "find two {o} and put them in {r}.")}
+TREATMENT = {"pick_clean_then_place_in_recep": "clean", "pick_heat_then_place_in_recep": "heat",
+             "pick_cool_then_place_in_recep": "cool"}
+HAND = "hand"
+
+
+def kind(name: str | None) -> str:
+    """'cabinet 3' -> 'cabinet'."""
+    return name.rsplit(" ", 1)[0] if name else ""
+
+
+def list_things(names) -> str:
+    items = [f"a {n}" for n in names]
+    if not items:
+        return "nothing"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", and " + items[-1]
+
+
+def make_household_task(task_id: str, seed: int = 0) -> dict:
+    """The layout and goal of a task: a pure function of (seed, task id)."""
+    split, index = task_id.split("-")[1], int(task_id.rsplit("-", 1)[1])
+    rng = random.Random(f"{seed}/{task_id}")
+    family = FAMILIES[index % len(FAMILIES)]
+    recs = [f"{k} {i}" for k, n in (("cabinet", rng.randint(2, 5)), ("drawer", rng.randint(1, 3)),
+                                    ("countertop", rng.randint(1, 2))) for i in range(1, n + 1)]
+    recs += ["fridge 1", "microwave 1", "sinkbasin 1"]
+    for k in rng.sample(OPTIONAL_RECEPTACLES, rng.randint(3, 6)):
+        recs += [f"{k} {i}" for i in range(1, (2 if k in ("shelf", "stoveburner") and rng.random() < 0.5 else 1) + 1)]
+    if not any(kind(r) in LAMP_HOLDERS for r in recs):
+        recs.append("sidetable 1")
+    recs.sort(key=lambda r: (kind(r), int(r.rsplit(" ", 1)[1])))
+    lamp_at = rng.choice([r for r in recs if kind(r) in LAMP_HOLDERS])
+    unseen = split == "valid_unseen"
+    otype = rng.choice([t for t in TASK_OBJECTS[family] if (t in UNSEEN_TYPES) == unseen])
+    rtype = rng.choice(sorted({kind(r) for r in recs} - NOT_TARGET))
+    objects, counts = {}, {}
+
+    def place(t, spots):
+        counts[t] = counts.get(t, 0) + 1
+        objects[f"{t} {counts[t]}"] = {"type": t, "loc": rng.choice(spots), "clean": False, "heat": False, "cool": False}
+
+    for _ in range(rng.randint(2, 3) if family == "pick_two_obj_and_place" else 1):
+        place(otype, [r for r in recs if kind(r) != rtype])
+    others = [t for t in sorted(set(SMALL + FOOD + DISH + UTENSIL)) if t != otype and (unseen or t not in UNSEEN_TYPES)]
+    for _ in range(rng.randint(6, 12)):
+        place(rng.choice(others), recs)
+    task = rng.choice(TASK_TEXTS[family]).format(o=otype, r=rtype)
+    return {"family": family, "task": task, "otype": otype, "rtype": rtype, "receptacles": recs,
+            "lamp_at": lamp_at, "objects": objects}
+
+
+class HouseholdEnv(Env):
+    """ALFWorld-like household; all state lives in loc/holding/objects/opened/lamp_on."""
+    name = "household"
+
+    def __init__(self, split="train", seed=0, data_dir=None, n_train=200, n_valid=30, **kw):
+        super().__init__(**kw)
+        n = n_train if split == "train" else n_valid
+        self.seed, self._ids = seed, [f"household-{split}-{i}" for i in range(n)]
+
+    def _start(self, task_id):
+        spec = make_household_task(task_id, self.seed)
+        self.spec, self.objects = spec, spec["objects"]
+        self.loc, self.holding, self.opened, self.lamp_on = None, None, set(), False
+        view = ("You are in the middle of a room. Looking quickly around you, you see "
+                + list_things(spec["receptacles"]) + ".")
+        return spec["task"], spec["family"], view
+
+    # ---- what the agent sees and may do
+    def contents(self, rec: str) -> list[str]:
+        names = sorted(n for n, o in self.objects.items() if o["loc"] == rec)
+        return names + (["desklamp 1"] if rec == self.spec["lamp_at"] else [])
+
+    def describe(self, rec: str) -> str:
+        if kind(rec) not in OPENABLE:
+            return f"On the {rec}, you see {list_things(self.contents(rec))}."
+        if rec not in self.opened:
+            return f"The {rec} is closed."
+        return f"The {rec} is open. In it, you see {list_things(self.contents(rec))}."
+
+    def commands(self) -> dict[str, tuple]:
+        cmds = {"look": ("look",), "inventory": ("inventory",)}
+        cmds.update({f"go to {r}": ("go", r) for r in self.spec["receptacles"] if r != self.loc})
+        r, held = self.loc, self.holding
+        if r:
+            cmds[f"examine {r}"] = ("examine", r)
+            reachable = kind(r) not in OPENABLE or r in self.opened
+            if kind(r) in OPENABLE:
+                cmds[f"{'close' if r in self.opened else 'open'} {r}"] = ("close" if r in self.opened else "open", r)
+            if reachable and not held:
+                cmds.update({f"take {o} from {r}": ("take", o, r) for o in self.contents(r) if o in self.objects})
+            if reachable and held:
+                cmds[f"move {held} to {r}"] = ("move", held, r)
+            for verb, place in APPLIANCE.items():
+                if held and r == place:
+                    cmds[f"{verb} {held} with {r}"] = (verb, held, r)
+            if r == self.spec["lamp_at"]:
+                cmds["use desklamp 1"] = ("use",)
+        if held:
+            cmds[f"examine {held}"] = ("examine", held)
+        return cmds
+
+    def admissible(self) -> list[str]:
+        return sorted(self.commands())
+
+    # ---- dynamics
+    def _act(self, action):
+        verb, *args = self.commands()[action]
+        if verb == "go":
+            self.loc = args[0]
+            obs = f"You arrive at {args[0]}. {self.describe(args[0])}"
+        elif verb in ("open", "close"):
+            (self.opened.add if verb == "open" else self.opened.discard)(args[0])
+            obs = f"You open the {args[0]}. {self.describe(args[0])}" if verb == "open" else f"You close the {args[0]}."
+        elif verb == "take":
+            self.objects[args[0]]["loc"], self.holding = HAND, args[0]
+            obs = f"You pick up the {args[0]} from the {args[1]}."
+        elif verb == "move":
+            self.objects[args[0]]["loc"], self.holding = args[1], None
+            obs = f"You move the {args[0]} to the {args[1]}."
+        elif verb in APPLIANCE:
+            self.objects[args[0]][verb] = True
+            obs = f"You {verb} the {args[0]} using the {args[1]}."
+        elif verb == "use":
+            self.lamp_on, obs = True, "You turn on the desklamp 1."
+        elif verb == "examine":
+            obs = self.describe(args[0]) if args[0] != self.holding else f"This is a normal {args[0]}."
+        elif verb == "look":
+            obs = (f"You are facing the {self.loc}. Next to it, you see nothing." if self.loc else
+                   "You are in the middle of a room. Looking quickly around you, you see nothing.")
+        else:
+            obs = f"You are carrying: a {self.holding}." if self.holding else "You are not carrying anything."
+        won = self.goal_met()
+        return obs, float(won), won, won, {}
+
+    def counts_for_goal(self, name: str) -> bool:
+        o, s = self.objects[name], self.spec
+        need = TREATMENT.get(s["family"])
+        return o["type"] == s["otype"] and kind(o["loc"]) == s["rtype"] and (need is None or o[need])
+
+    def goal_met(self) -> bool:
+        s = self.spec
+        if s["family"] == "look_at_obj_in_light":
+            held = self.objects.get(self.holding or "")
+            return bool(held and held["type"] == s["otype"] and self.lamp_on and self.loc == s["lamp_at"])
+        if s["family"] == "pick_two_obj_and_place":
+            return self.best_target_count()[1] >= 2
+        return any(self.counts_for_goal(n) for n in self.objects)
+
+    def best_target_count(self) -> tuple[str, int]:
+        s = self.spec
+        targets = [r for r in s["receptacles"] if kind(r) == s["rtype"]]
+        count = {r: sum(o["type"] == s["otype"] and o["loc"] == r for o in self.objects.values()) for r in targets}
+        best = max(targets, key=lambda r: (count[r], r == self.loc))
+        return best, count[best]
+
+    # ---- privileged scripted expert
+    def expert_action(self) -> str | None:
+        if self.done:
+            return None
+        s, held = self.spec, self.holding
+        if held and self.objects[held]["type"] != s["otype"]:  # put a wrong object down where we stand
+            if self.loc is None:
+                return "go to " + next(r for r in s["receptacles"] if kind(r) not in OPENABLE)
+            return self._go_or(self.loc, f"move {held} to {self.loc}")
+        if held:
+            need = TREATMENT.get(s["family"])
+            if need and not self.objects[held][need]:
+                return self._go_or(APPLIANCE[need], f"{need} {held} with {APPLIANCE[need]}")
+            if s["family"] == "look_at_obj_in_light":
+                return self._go_or(s["lamp_at"], "use desklamp 1")
+            if s["family"] == "pick_two_obj_and_place":
+                target = self.best_target_count()[0]
+            else:
+                target = self.loc if kind(self.loc) == s["rtype"] else next(
+                    r for r in s["receptacles"] if kind(r) == s["rtype"])
+            return self._go_or(target, f"move {held} to {target}")
+        wanted = [n for n, o in sorted(self.objects.items()) if o["type"] == s["otype"] and not self._done_with(n)]
+        wanted.sort(key=lambda n: self.objects[n]["loc"] != self.loc)
+        where = self.objects[wanted[0]]["loc"]
+        return self._go_or(where, f"take {wanted[0]} from {where}")
+
+    def _done_with(self, name: str) -> bool:
+        if self.spec["family"] == "pick_two_obj_and_place":
+            return self.objects[name]["loc"] == self.best_target_count()[0]
+        return self.spec["family"] != "look_at_obj_in_light" and self.counts_for_goal(name)
+
+    def _go_or(self, rec: str, action: str) -> str:
+        """Go to rec, open it if needed, then do action (moving and taking need an open container)."""
+        if self.loc != rec:
+            return f"go to {rec}"
+        if kind(rec) in OPENABLE and rec not in self.opened and action.split()[0] in ("take", "move"):
+            return f"open {rec}"
+        return action
+
+
+# ----------------------------------------------------------------------------- alfworld (real games)
+_TW_IDS: dict[tuple, str] = {}
+
+
+def _import_alfworld():
+    try:
+        import textworld
+        import textworld.gym
+        from alfworld.agents.environment import alfred_tw_env
+    except ImportError as e:
+        raise ImportError("the 'alfworld' environment needs: pip install alfworld==0.4.2 pyyaml") from e
+
+    class SafeExpert(alfred_tw_env.AlfredExpert):  # the handcoded expert raises when it gives up
+        def _gather_infos(self):
+            try:
+                super()._gather_infos()
+            except Exception:
+                self.state["extra.expert_plan"] = []
+    return textworld, alfred_tw_env, SafeExpert
+
+
+class AlfWorldEnv(Env):
+    """One real ALFWorld game file per instance (what GRPO groups need: N instances on one game).
+    expert: "handcoded" (ALFWorld's heuristic agent: free, but in 0.4.2 it fails pick_two games because it
+    tracks "put" while the game says "move"), "planner" (PDDL planner: solves every game, ~0.5 s a step on
+    CPU) or None (no expert_action)."""
+    name = "alfworld"
+
+    def __init__(self, split="train", seed=0, data_dir=None, expert="handcoded", **kw):
+        super().__init__(**kw)
+        self._tw = _import_alfworld()
+        self.root = Path(data_dir or os.environ.get("ALFWORLD_DATA") or "<unset>").expanduser()
+        base = self.root / "json_2.1.1"
+        if not base.is_dir():
+            raise FileNotFoundError(f"no ALFWorld data at '{base}': run `alfworld-download` and set "
+                                    "ALFWORLD_DATA (or pass data_dir) to the folder holding json_2.1.1")
+        folder = {"train": "train" if (base / "train").is_dir() else "valid_train"}.get(split, split)
+        self._ids = sorted(str(p.relative_to(self.root)) for p in (base / folder).glob("*/*/game.tw-pddl"))
+        self.expert, self.game, self.loaded, self.infos = expert, None, None, {}
+
+    def _make_game(self, path: str):
+        textworld, tw_env, expert = self._tw
+        key = (path, self.expert, self.max_steps)
+        if key not in _TW_IDS:  # register once per game; pass wrapper classes, never instances (they'd be shared)
+            wrappers = [functools.partial(tw_env.AlfredDemangler, shuffle=False), tw_env.AlfredInfos]
+            if self.expert:
+                wrappers.append(functools.partial(expert, expert_type=self.expert))
+            request = textworld.EnvInfos(won=True, admissible_commands=True,
+                                         extras=["gamefile"] + (["expert_plan"] if self.expert else []))
+            _TW_IDS[key] = textworld.gym.register_game(path, request, max_episode_steps=self.max_steps + 10,
+                                                       wrappers=wrappers)
+        return textworld.gym.make(_TW_IDS[key])
+
+    def _start(self, task_id):
+        if task_id != self.loaded:
+            self.close()
+            self.game, self.loaded = self._make_game(str(self.root / task_id)), task_id
+        text, self.infos = self.game.reset()
+        task = text.split("Your task is to:", 1)[1].strip() if "Your task is to:" in text else ""
+        room = text.split("Your task is to:", 1)[0].replace("-= Welcome to TextWorld, ALFRED! =-", "").strip()
+        return task, Path(task_id).parent.parent.name.split("-")[0], room
+
+    def admissible(self) -> list[str]:
+        return [a for a in self.infos.get("admissible_commands", []) if a != "help"]
+
+    def _act(self, action):
+        obs, _, _, self.infos = self.game.step(action)
+        won = bool(self.infos.get("won", False))
+        return obs, float(won), won, won, {}
+
+    def expert_action(self) -> str | None:
+        plan = self.infos.get("extra.expert_plan") or [None]
+        return None if self.done else plan[0]
+
+    def close(self) -> None:
+        if self.game is not None:
+            self.game.close()
+        self.game, self.loaded = None, None
+
+
+# ----------------------------------------------------------------------------- search (Search-R1)
+def normalize_answer(text: str) -> str:
+    """Search-R1 / SQuAD normalisation: lowercase, drop punctuation and articles, collapse spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def exact_match(prediction: str, golden_answers) -> float:
+    golds = [golden_answers] if isinstance(golden_answers, str) else golden_answers
+    return float(any(normalize_answer(prediction) == normalize_answer(str(g)) for g in golds))
+
+
+def format_passages(docs: list) -> str:
+    lines = []
+    for i, item in enumerate(docs, start=1):
+        doc = item.get("document", item) if isinstance(item, dict) else {"contents": str(item)}
+        contents = doc.get("contents") or f"\"{doc.get('title', '')}\"\n{doc.get('text', '')}"
+        title, _, body = str(contents).partition("\n")
+        lines.append(f"Doc {i} (Title: {title.strip().strip(chr(34))}) {' '.join(body.split())}")
+    return "\n".join(lines)
+
+
+class BM25Retriever:
+    """In-process BM25 (bm25s) over a Search-R1 corpus JSONL ({"id", "contents": '"Title"\\ntext'})."""
+
+    def __init__(self, corpus_jsonl: str | Path):
+        import bm25s
+        self._bm25s, self.lock = bm25s, threading.Lock()
+        with open(corpus_jsonl, encoding="utf-8") as f:
+            self.docs = [json.loads(line) for line in f if line.strip()]
+        self.index = bm25s.BM25()
+        self.index.index(self._tokens([d["contents"] for d in self.docs]), show_progress=False)
+
+    def _tokens(self, texts):
+        return self._bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+
+    def search(self, queries: list[str], topk: int = 3, return_scores: bool = False) -> list[list[dict]]:
+        """Search-R1's result shape: per query, documents or {"document", "score"} items."""
+        k = max(1, min(int(topk), len(self.docs)))
+        with self.lock:
+            ids, scores = self.index.retrieve(self._tokens([str(q) for q in queries]), k=k, show_progress=False)
+        return [[{"document": self.docs[int(i)], "score": float(s)} if return_scores else self.docs[int(i)]
+                 for i, s in zip(row_ids, row_scores)] for row_ids, row_scores in zip(ids, scores)]
+
+
+@functools.lru_cache(maxsize=8)
+def load_bm25(corpus_jsonl: str) -> BM25Retriever:
+    return BM25Retriever(corpus_jsonl)
+
+
+def retrieve_http(url: str, queries: list[str], topk: int = 3, return_scores: bool = False,
+                  timeout: float = 10.0, retries: int = 2) -> list[list]:
+    """POST Search-R1's /retrieve contract with bounded retries; raises RuntimeError when all fail."""
+    body = json.dumps({"queries": queries, "topk": topk, "return_scores": return_scores}).encode()
+    error = None
+    for attempt in range(retries + 1):
+        try:
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return json.loads(reply.read())["result"]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # URLError/HTTPError/timeouts are OSError
+            error = e
+            if attempt < retries:
+                time.sleep(0.2 * 2 ** attempt)
+    raise RuntimeError(f"retrieval from {url} failed after {retries + 1} tries: {error}")
+
+
+def serve_retriever(retriever, host: str = "127.0.0.1", port: int = 0):
+    """Serve retriever.search at POST /retrieve in a daemon thread; returns (server, endpoint url)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            if self.path.rstrip("/") != "/retrieve":
+                return self.reply(404, {"error": "use POST /retrieve"})
+            try:
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                queries = [str(q) for q in req["queries"]]
+                topk, scores = int(req.get("topk", 3)), bool(req.get("return_scores", False))
+            except (ValueError, KeyError, TypeError) as e:
+                return self.reply(400, {"error": f"bad request: {e}"})
+            self.reply(200, {"result": retriever.search(queries, topk, scores)})
+
+        def reply(self, code, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://{host}:{server.server_address[1]}/retrieve"
+
+
+@functools.lru_cache(maxsize=8)
+def load_questions(data_dir: str) -> dict[str, dict]:
+    """All FlashRAG-format questions under data_dir, keyed by '<file stem>/<id>'."""
+    questions = {}
+    for path in sorted(Path(data_dir).glob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line) if line.strip() else {}
+                if "question" in row and "golden_answers" in row:
+                    row.setdefault("data_source", path.stem)
+                    questions[f"{path.stem}/{row['id']}"] = row
+    return questions
+
+
+def search_split(task_id: str) -> str:
+    if task_id.startswith("bamboogle/"):
+        return "valid_unseen"
+    return "valid_seen" if zlib.crc32(task_id.encode()) % 5 == 0 else "train"
+
+
+class SearchEnv(Env):
+    """Search-R1: <search>query</search> -> <information>, <answer>..</answer> -> exact-match reward."""
+    name = "search"
+    max_steps, history_len, invalid_penalty = 4, 4, 0.01
+    tags, info_defaults = ("search", "answer"), {"retrieval_error": False}
+    intro, turn, invalid_observation = SEARCH_INTRO, SEARCH_TURN, SEARCH_INVALID
+
+    def __init__(self, split="train", seed=0, data_dir=None, retriever_url=None, corpus=None, topk=3,
+                 timeout=10.0, retries=2, **kw):
+        super().__init__(**kw)
+        self.data_dir = Path(data_dir or os.environ.get("SEARCH_QA_DATA") or "<unset>").expanduser()
+        self.questions = load_questions(str(self.data_dir.resolve())) if self.data_dir.is_dir() else {}
+        if not self.questions:
+            raise FileNotFoundError(f"no question files (*.jsonl with question/golden_answers) in '{self.data_dir}': "
+                                    "pass data_dir or set SEARCH_QA_DATA")
+        self._ids = [t for t in self.questions if search_split(t) == split]
+        self.url = retriever_url or os.environ.get("RETRIEVER_URL") or None
+        self.corpus = str(corpus or self.data_dir / "corpus" / "hotpotqa_hard100_corpus.jsonl")
+        self.topk, self.timeout, self.retries = topk, timeout, retries
+
+    def _start(self, task_id):
+        q = self.questions[task_id]
+        self.question, self.golden = q["question"], q["golden_answers"]
+        return "answer the question: " + q["question"], q["data_source"], "No search results yet."
+
+    def _prompt_extra(self) -> str:
+        return "This is your last step: you must answer now." if self.steps + 1 >= self.max_steps else ""
+
+    def retrieve(self, query: str) -> list:
+        if self.url:
+            return retrieve_http(self.url, [query], self.topk, False, self.timeout, self.retries)[0]
+        return load_bm25(self.corpus).search([query], self.topk)[0]
+
+    def _act(self, action):
+        tag, content = re.fullmatch(r"<(\w+)>(.*)</\1>", action, re.DOTALL).groups()
+        if tag == "answer":
+            score = exact_match(content, self.golden)
+            return f"Your answer: {content}", score, score == 1.0, True, {}
+        try:
+            obs, failed = f"<information>{format_passages(self.retrieve(content))}</information>", False
+        except Exception as e:  # a dead retriever costs this step, never the run
+            obs, failed = f"<information>Search failed: {str(e)[:200]}</information>", True
+        return obs, 0.0, False, False, {"retrieval_error": failed}
+
+
+# ----------------------------------------------------------------------------- factory and CLI
+def make_env(name: str, split: str = "train", seed: int = 0, data_dir: str | None = None, **kw) -> Env:
+    classes = {"household": HouseholdEnv, "alfworld": AlfWorldEnv, "search": SearchEnv}
+    if name not in classes:
+        raise ValueError(f"unknown env '{name}', expected one of {ENV_NAMES}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split '{split}', expected one of {SPLITS}")
+    return classes[name](split=split, seed=seed, data_dir=data_dir, **kw)
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="serve BM25 over a Search-R1 corpus at POST /retrieve")
+    parser.add_argument("command", choices=["serve-retriever"])
+    parser.add_argument("--corpus", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    _, endpoint = serve_retriever(BM25Retriever(args.corpus), args.host, args.port)
+    print(f"retriever ready at {endpoint}", file=sys.stderr, flush=True)
+    threading.Event().wait()

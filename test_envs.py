@@ -1,0 +1,325 @@
+"""Tests for envs.py: experts solve tasks, bad model output never breaks an env, prompts keep their anchors,
+real ALFWorld games load and are won, and the Search-R1 protocol works in-process and over HTTP."""
+import copy
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import envs
+from envs import (FAMILIES, TASK_PREFIX, TURN_PREFIX, exact_match, format_expert_response, load_bm25,
+                  make_env, normalize_answer, parse_action, serve_retriever)
+
+SHARED = Path(os.environ.get("SHARED_DATA") or Path(__file__).resolve().parent.parent / "shared" / "data")
+ALFWORLD_DATA, QA_DATA = SHARED / "alfworld", SHARED / "search_qa"
+CORPUS = QA_DATA / "corpus" / "hotpotqa_hard100_corpus.jsonl"
+needs_alfworld_package = pytest.mark.skipif(importlib.util.find_spec("alfworld") is None,
+                                            reason="alfworld not installed (pip install alfworld==0.4.2 pyyaml)")
+needs_alfworld_games = pytest.mark.skipif(not (ALFWORLD_DATA / "json_2.1.1").is_dir(),
+                                          reason=f"no ALFWorld games at {ALFWORLD_DATA} (set SHARED_DATA)")
+needs_qa = pytest.mark.skipif(not CORPUS.is_file(), reason=f"no Search-QA data at {QA_DATA} (set SHARED_DATA)")
+
+UGLY = {
+    "no tags": "go to cabinet 1",
+    "no think": "<action>look</action>",
+    "action before think": "<action>look</action><think>hmm</think>",
+    "two actions": "<think>x</think><action>look</action><action>inventory</action>",
+    "empty": "",
+    "empty action": "<think>x</think><action>   </action>",
+    "unclosed action": "<think>x</think><action>look",
+    "unknown command": "<think>x</think><action>fly to the moon</action>",
+    "unicode": "<think>日本語 😀</think><action>去 cabinet 1 ✓ \u200b</action>",
+    "control chars": "<think>\x00\x1b[31m</think><action>\x00look\x7f</action>",
+    "50 KB": "<think>" + "blah " * 10_000 + "</think><action>" + "go to " * 2000 + "</action>",
+    "nested": "<think>x</think><action><action>look</action></action>",
+    "two thinks": "<think>a</think><think>b</think><action>look</action>",
+    "search tag in household": "<think>x</think><search>look</search>",
+}
+
+
+def play_expert(env, task_id, env_name):
+    env.reset(task_id)
+    total, info = 0.0, None
+    while not env.done:
+        action = env.expert_action()
+        assert action is not None, f"{task_id}: no expert action at step {env.steps}"
+        _, reward, _, info = env.step(format_expert_response(action, env_name))
+        assert info["valid"], (task_id, action, info["admissible"])
+        total += reward
+    return total, info
+
+
+def household_state(env):
+    return env.loc, env.holding, copy.deepcopy(env.objects), set(env.opened), env.lamp_on
+
+
+# ----------------------------------------------------------------------------- household
+@pytest.mark.parametrize("split,limit", [("valid_seen", None), ("valid_unseen", None), ("train", 30)])
+def test_household_expert_solves_every_task(split, limit):
+    env = make_env("household", split)
+    ids = env.task_ids()[:limit]
+    families = set()
+    for task_id in ids:
+        total, info = play_expert(env, task_id, "household")
+        assert total == 1.0 and env.done and env.won and info["won"], (task_id, env.task, total)
+        assert env.steps < env.max_steps
+        families.add(env.family)
+    assert families == set(FAMILIES)
+
+
+def test_household_splits_are_deterministic_and_unseen_types_are_held_out():
+    train, seen, unseen = (make_env("household", s) for s in envs.SPLITS)
+    assert len(train.task_ids()) == 200 and len(seen.task_ids()) == 30 == len(unseen.task_ids())
+    assert train.task_ids()[17] == "household-train-17"
+    for env in (train, seen):
+        for task_id in env.task_ids():
+            spec = envs.make_household_task(task_id)
+            assert not {o["type"] for o in spec["objects"].values()} & envs.UNSEEN_TYPES
+    assert all(envs.make_household_task(t)["otype"] in envs.UNSEEN_TYPES for t in unseen.task_ids())
+    a, b = make_env("household", "train"), make_env("household", "train")
+    a.reset("household-train-5"), b.reset("household-train-5")
+    assert a.prompt() == b.prompt()
+    a.step(format_expert_response(a.expert_action(), "household"))
+    assert a.prompt() != b.prompt() and b.steps == 0  # instances are independent
+    c = make_env("household", "train", seed=1)
+    c.reset("household-train-5")
+    assert c.prompt() != b.prompt()  # the seed picks another world
+
+
+@pytest.mark.parametrize("label", sorted(UGLY))
+def test_household_malformed_response_is_a_penalised_no_op(label):
+    env = make_env("household", "valid_seen")
+    env.reset("household-valid_seen-2")
+    env.step(format_expert_response(env.expert_action(), "household"))
+    before, prompt_admissible = household_state(env), env.admissible()
+    obs, reward, done, info = env.step(UGLY[label])
+    assert info["valid"] is False and reward == pytest.approx(-0.1) and not done and not info["won"]
+    assert obs == "Nothing happens." and household_state(env) == before and env.admissible() == prompt_admissible
+    assert set(info) >= {"won", "valid", "action", "family", "admissible"}
+
+
+def test_parse_action_normalises_case_and_spaces_and_never_raises():
+    adm = ["go to cabinet 1", "look"]
+    assert parse_action("<think>x</think>\n<ACTION>  Go   TO Cabinet 1 </ACTION>", admissible=adm) == ("go to cabinet 1", True)
+    assert parse_action("<think>x</think><action>fly</action>", admissible=adm) == ("fly", False)
+    assert parse_action("<think>x</think><action>look</action>", admissible=None) == ("look", True)
+    tags = ("search", "answer")
+    assert parse_action("<think>x</think><search> a  b </search>", tags) == ("<search>a b</search>", True)
+    for text in list(UGLY.values()) + [None, 123, b"bytes", "<" * 10_000, "</think>" * 3, "<think></think>"]:
+        for t in (("action",), tags):
+            action, valid = parse_action(text, t, adm)
+            assert isinstance(valid, bool) and (action is None or isinstance(action, str))
+
+
+def test_household_all_invalid_episode_fails_at_max_steps():
+    env = make_env("household", "train")
+    env.reset("household-train-0")
+    total, steps = 0.0, 0
+    while not env.done:
+        _, reward, _, info = env.step("I refuse to use tags.")
+        total, steps = total + reward, steps + 1
+    assert steps == env.max_steps == 30 and not info["won"] and total == pytest.approx(-30 * 0.1)
+    obs, reward, done, info = env.step(format_expert_response("look", "household"))
+    assert done and reward == 0.0 and not info["valid"] and env.steps == 30  # finished episodes stay finished
+
+
+def test_prompt_anchors_and_history_window():
+    env = make_env("household", "train")
+    env.reset("household-train-3")
+    first = env.prompt().split("\n\n")
+    assert first[1] == TASK_PREFIX + env.task and first[-1].startswith(TURN_PREFIX)
+    assert "Current observation: You are in the middle of a room" in first[2] and "Step 1 Action" not in env.prompt()
+    assert "Admissible actions: ['go to " in env.prompt()
+    for i in range(8):
+        env.step(format_expert_response("look" if i % 2 else "inventory", "household"))
+    text = env.prompt()
+    assert text.count(" Action: ") == env.history_len == 5 and text.count(" Observation: ") == 5
+    assert "Step 4 Action" in text and "Step 3 Action" not in text and "Step 9 of 30" in text
+    assert text.split("\n\n")[-1].startswith(TURN_PREFIX) and text.split("\n\n")[1].startswith(TASK_PREFIX)
+    narrow = make_env("household", "train", history_len=2, max_steps=10)
+    narrow.reset("household-train-3")
+    for _ in range(4):
+        narrow.step("junk")
+    assert narrow.prompt().count(" Action: ") == 2 and "(no well-formed action)" in narrow.prompt()
+
+
+def test_make_env_rejects_unknown_names():
+    with pytest.raises(ValueError):
+        make_env("webshop")
+    with pytest.raises(ValueError):
+        make_env("household", "test")
+
+
+# ----------------------------------------------------------------------------- alfworld (real games)
+@needs_alfworld_package
+@needs_alfworld_games
+def test_alfworld_all_games_load_and_the_planner_expert_wins_them():
+    seen = 0
+    for split in envs.SPLITS:
+        env = make_env("alfworld", split, data_dir=str(ALFWORLD_DATA), expert="planner")
+        ids = env.task_ids()
+        assert len(ids) == (12 if split == "train" else 6) and ids == sorted(ids)
+        for task_id in ids:
+            total, info = play_expert(env, task_id, "alfworld")
+            folder = Path(task_id).parent.parent.name
+            assert env.family in FAMILIES and folder.startswith(env.family + "-")
+            assert env.task and env.task.endswith(".") and total == 1.0 and info["won"], (task_id, total)
+            seen += 1
+        env.close()
+    assert seen == 24
+
+
+@needs_alfworld_package
+@needs_alfworld_games
+def test_alfworld_prompt_invalid_actions_and_handcoded_expert():
+    env = make_env("alfworld", "valid_seen", data_dir=str(ALFWORLD_DATA))
+    task_id = next(t for t in env.task_ids() if "/look_at_obj_in_light-" in t)
+    env.reset(task_id)
+    paragraphs = env.prompt().split("\n\n")
+    assert paragraphs[1] == TASK_PREFIX + env.task == TASK_PREFIX + "examine the bowl with the desklamp."
+    assert paragraphs[2].startswith("Step 1 of 30. Current observation: You are in the middle of a room.")
+    assert "Welcome" not in env.prompt() and "'help'" not in env.prompt() and paragraphs[-1].startswith(TURN_PREFIX)
+    admissible = env.admissible()
+    for text in UGLY.values():
+        obs, reward, done, info = env.step(text)
+        assert obs == "Nothing happens." and reward == pytest.approx(-0.1) and not info["valid"]
+        assert env.admissible() == admissible
+    env.reset(task_id)  # the handcoded expert (default) solves this one
+    total, info = play_expert(env, task_id, "alfworld")
+    assert total == 1.0 and info["won"]
+    env.close()
+
+
+@needs_alfworld_package
+def test_alfworld_missing_data_gives_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="alfworld-download"):
+        make_env("alfworld", data_dir=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- search
+def test_exact_match_normalisation():
+    assert normalize_answer("The  Beatles!") == "beatles"
+    assert normalize_answer("An apple, a day") == "apple day"
+    assert normalize_answer("Theatre") == "theatre"  # articles only as whole words
+    assert exact_match("the Eiffel tower.", ["Eiffel Tower"]) == 1.0
+    assert exact_match("Eiffel", ["Eiffel Tower"]) == 0.0
+    assert exact_match("U.S.A", ["usa", "United States"]) == 1.0
+    assert exact_match("james  MADISON", "james madison") == 1.0
+
+
+@needs_qa
+def test_search_splits_and_task_ids():
+    envs_by_split = {s: make_env("search", s, data_dir=str(QA_DATA)) for s in envs.SPLITS}
+    ids = {s: set(e.task_ids()) for s, e in envs_by_split.items()}
+    assert len(ids["valid_unseen"]) == 125 and all(t.startswith("bamboogle/") for t in ids["valid_unseen"])
+    assert not ids["train"] & ids["valid_seen"] and len(ids["train"]) + len(ids["valid_seen"]) == 350
+    assert 0.1 < len(ids["valid_seen"]) / 350 < 0.3
+    assert not any(t.startswith("hotpotqa_distractor") for s in ids.values() for t in s)
+    env = envs_by_split["valid_unseen"]
+    env.reset("bamboogle/test_0")
+    assert env.family == "bamboogle" and env.task.startswith("answer the question: Who was president")
+
+
+def play_search(env, query, answer):
+    task_id = "hotpotqa/5a7613c15542994ccc9186bf"
+    env.reset(task_id)
+    assert env.family == "hotpotqa"
+    obs, reward, done, info = env.step(format_expert_response(f"<search>{query}</search>", "search"))
+    assert info["valid"] and not done and reward == 0.0 and info["admissible"] is None
+    assert obs.startswith("<information>Doc 1 (Title: ") and obs.endswith("</information>")
+    assert "Step 1 Observation" in env.prompt() and TASK_PREFIX + env.task in env.prompt()
+    obs2, reward, done, info = env.step(format_expert_response(answer, "search"))
+    return obs, reward, done, info
+
+
+@needs_qa
+def test_search_episode_with_builtin_bm25():
+    retriever = load_bm25(str(CORPUS))
+    hits = retriever.search(["VIVA Media AG changed its name in 2004"], topk=3, return_scores=True)[0]
+    assert len(hits) == 3 and any(h["document"]["contents"].startswith('"VIVA Media"') for h in hits)
+    assert hits[0]["score"] >= hits[1]["score"] >= hits[2]["score"]
+    env = make_env("search", "train", data_dir=str(QA_DATA))
+    assert (env.max_steps, env.history_len, env.invalid_penalty) == (4, 4, 0.01)
+    obs, reward, done, info = play_search(env, "VIVA Media AG new name", "Gesellschaft mit beschränkter Haftung")
+    assert "VIVA Media" in obs and reward == 1.0 and done and info["won"] and not info["retrieval_error"]
+    _, reward, done, info = play_search(env, "VIVA Media", "<answer>GmbH</answer>")
+    assert reward == 0.0 and done and not info["won"]
+
+
+@needs_qa
+def test_search_malformed_responses_and_step_limit():
+    env = make_env("search", "train", data_dir=str(QA_DATA))
+    bad = [v for k, v in UGLY.items() if k != "search tag in household"] + ["<think>x</think><search>a</search><answer>b</answer>",
+                                 "<think>x</think><answer></answer>", "<think>x</think><search>a</search><search>b</search>",
+                                 "<think>x</think><answer><answer>y</answer></answer>"]
+    for text in bad:
+        env.reset("hotpotqa/5a7613c15542994ccc9186bf")
+        obs, reward, done, info = env.step(text)
+        assert not info["valid"] and reward == pytest.approx(-0.01) and not done and obs == envs.SEARCH_INVALID
+    env.reset("hotpotqa/5a7613c15542994ccc9186bf")
+    total = sum(env.step("no tags at all")[1] for _ in range(4))
+    assert env.done and not env.won and total == pytest.approx(-0.04)
+    env.reset("hotpotqa/5a7613c15542994ccc9186bf")
+    for i in range(4):
+        assert ("you must answer now" in env.prompt()) == (i == 3)
+        obs, reward, done, info = env.step(format_expert_response("<search>VIVA</search>", "search"))
+    assert done and not info["won"] and reward == 0.0  # searching on the last step fails the episode
+
+
+@needs_qa
+def test_search_over_http_retriever():
+    server, url = serve_retriever(load_bm25(str(CORPUS)))
+    try:
+        def post(payload):
+            req = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())
+        with_scores = post({"queries": ["VIVA Media", "Missouri Compromise"], "topk": 2, "return_scores": True})
+        assert len(with_scores["result"]) == 2 and all(len(row) == 2 for row in with_scores["result"])
+        item = with_scores["result"][0][0]
+        assert set(item) == {"document", "score"} and {"id", "contents"} <= set(item["document"])
+        assert isinstance(item["score"], float)
+        plain = post({"queries": ["VIVA Media"], "topk": 3, "return_scores": False})
+        assert len(plain["result"][0]) == 3 and {"id", "contents"} <= set(plain["result"][0][0])
+        assert plain["result"][0][0] == item["document"]
+        env = make_env("search", "train", data_dir=str(QA_DATA), retriever_url=url)
+        obs, reward, done, info = play_search(env, "VIVA Media AG new name", "Gesellschaft mit beschränkter Haftung")
+        assert reward == 1.0 and done and not info["retrieval_error"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@needs_qa
+def test_refused_retriever_is_a_counted_failure_not_a_crash():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = make_env("search", "train", data_dir=str(QA_DATA), retriever_url=f"http://127.0.0.1:{port}/retrieve",
+                   retries=1, timeout=2)
+    env.reset("hotpotqa/5a7613c15542994ccc9186bf")
+    obs, reward, done, info = env.step(format_expert_response("<search>VIVA Media</search>", "search"))
+    assert info["retrieval_error"] and info["valid"] and reward == 0.0 and not done and "failed" in obs
+    obs, reward, done, info = env.step(format_expert_response("Gesellschaft mit beschränkter Haftung", "search"))
+    assert reward == 1.0 and done and not info["retrieval_error"]
+
+
+@needs_qa
+def test_serve_retriever_cli():
+    proc = subprocess.Popen([sys.executable, str(Path(envs.__file__)), "serve-retriever", "--corpus", str(CORPUS),
+                             "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/retrieve"), line
+        result = envs.retrieve_http(url, ["VIVA Media"], topk=1)
+        assert len(result) == 1 and len(result[0]) == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
