@@ -66,8 +66,8 @@ def init_distributed(seed: int, timeout_minutes: int = 30) -> Dist:
         backend, device = "nccl", torch.device("cuda", local_rank)
     else:
         backend, device = "gloo", torch.device("cpu")
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), device_id=device
-                            if backend == "nccl" else None)
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if backend == "nccl" else None)
     rank = dist.get_rank()
     random.seed(seed + rank)
     torch.manual_seed(seed + rank)  # sampling differs per rank; model init re-seeds identically (load_policy)
@@ -240,8 +240,11 @@ class HFEngine:
             ids, mask = left_pad(prompts[i:i + self.gen_batch], self.tok.pad_token_id, self.device)
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
                 else dict(do_sample=False)
+            # repetition_penalty=1: a checkpoint's generation_config (Qwen2.5: 1.05) would otherwise bend the
+            # sampling distribution away from π_θold, and the importance ratio with it
             gen = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      eos_token_id=self.stops, pad_token_id=self.tok.pad_token_id, **sampling)
+                                      eos_token_id=self.stops, pad_token_id=self.tok.pad_token_id,
+                                      repetition_penalty=1.0, **sampling)
             for row in gen[:, ids.shape[1]:].tolist():
                 cut = next((j + 1 for j, t in enumerate(row) if t in self.stops), len(row))
                 out.append(row[:cut])
@@ -333,9 +336,8 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
             trajs[i].won = bool(info["won"])
             if not done:
                 still.append(i)
-            else:
-                close = getattr(envs[i], "close", None)
-                close and close()
+            elif hasattr(envs[i], "close"):
+                envs[i].close()
         active = still
     return trajs, stats
 
@@ -368,19 +370,19 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, device):
-    """Returns (logp [B, R], mask [B, R]). Layout per row: [left pad][prompt][response][right pad], so every
-    response starts at the same column P and its logits are logits[:, P-1 : P+R-1]. Left padding needs explicit
-    position ids (DESIGN.md §4)."""
+def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], device):
+    """Returns (logp [B, R], mask [B, R]). Layout per row: [left pad][prompt][response][right pad] (pads hold token
+    0 and are masked), so every response starts at column P and is predicted by the logits at P-1 … P+R-2: the
+    model computes only those (logits_to_keep). Left padding needs explicit position ids (DESIGN.md §4)."""
     P, R = max(len(p) for p in prompts), max(len(r) for r in responses)
-    ids = torch.full((len(prompts), P + R), pad_id, dtype=torch.long)
+    ids = torch.zeros((len(prompts), P + R), dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, P - len(p):P + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attn[i, P - len(p):P + len(r)] = 1
     ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1:P + R - 1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1).logits[:, :-1]
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, P:, None]).squeeze(-1)
     return logp, attn[:, P:].float()
 
@@ -398,12 +400,12 @@ def chunk(indices: list[int], size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, pad_id: int, device):
+def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, device):
     """Per-sample response log-probs (list of 1-D CPU tensors) for a whole rank-local batch, without gradients."""
     out = []
     for idx in pad_chunks(chunk(list(range(len(prompts))), micro_bs), device):
         p, r = ([prompts[i] for i in idx], [responses[i] for i in idx]) if idx else ([DUMMY[0]], [DUMMY[1]])
-        logp, _ = sequence_logprobs(model, p, r, pad_id, device)
+        logp, _ = sequence_logprobs(model, p, r, device)
         out += [logp[j, :len(responses[i])].cpu() for j, i in enumerate(idx)]
     return out
 

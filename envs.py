@@ -167,10 +167,8 @@ class Env:
             obs, reward, won, finished, extra = self._act(action)
         else:  # the state is untouched
             obs, reward, won, finished, extra = self.invalid_observation, -self.invalid_penalty, False, False, {}
-        shown = action if action is not None else "(no well-formed action)"
-        self.history.append((self.observation, shown[:300]))
-        self.steps += 1
-        self.observation, self.won = obs, won
+        self.history.append((self.observation, (action or "(no well-formed action)")[:300]))
+        self.steps, self.observation, self.won = self.steps + 1, obs, won
         self.done = won or finished or self.steps >= self.max_steps
         return obs, float(reward), self.done, self._info(action, valid, extra)
 
@@ -185,6 +183,7 @@ OPTIONAL_RECEPTACLES = ("diningtable", "sidetable", "desk", "dresser", "coffeeta
                         "stoveburner", "coffeemachine", "toaster", "safe", "bed", "shelf")
 NOT_TARGET = {"fridge", "microwave", "sinkbasin", "stoveburner", "toaster"}
 LAMP_HOLDERS = ("desk", "sidetable", "dresser")
+ROOM_VIEW = "You are in the middle of a room. Looking quickly around you, you see"
 APPLIANCE = {"clean": "sinkbasin 1", "heat": "microwave 1", "cool": "fridge 1"}
 SMALL = ("book", "pen", "pencil", "cd", "cellphone", "keychain", "creditcard", "remotecontrol", "candle",
          "soapbottle", "watch", "statue", "vase", "tissuebox")
@@ -204,9 +203,7 @@ TASK_TEXTS = {
     "pick_heat_then_place_in_recep": ("put a hot {o} in {r}.", "heat some {o} and put it in {r}."),
     "pick_cool_then_place_in_recep": ("put a cool {o} in {r}.", "cool some {o} and put it in {r}."),
     "pick_two_obj_and_place": ("put two {o} in {r}.", "find two {o} and put them in {r}.")}
-TREATMENT = {"pick_clean_then_place_in_recep": "clean", "pick_heat_then_place_in_recep": "heat",
-             "pick_cool_then_place_in_recep": "cool"}
-HAND = "hand"
+TREATMENT = {f: f.split("_")[1] for f in FAMILIES if f.split("_")[1] in APPLIANCE}  # family -> clean/heat/cool
 
 
 def kind(name: str | None) -> str:
@@ -215,10 +212,8 @@ def kind(name: str | None) -> str:
 
 
 def list_things(names) -> str:
-    items = [f"a {n}" for n in names]
-    if not items:
-        return "nothing"
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", and " + items[-1]
+    items = [f"a {n}" for n in names]  # ALFWorld's style: "a apple 1, a mug 2, and a pen 1"
+    return ", ".join(items[:-1]) + ", and " + items[-1] if len(items) > 1 else (items or ["nothing"])[0]
 
 
 def make_household_task(task_id: str, seed: int = 0) -> dict:
@@ -226,14 +221,13 @@ def make_household_task(task_id: str, seed: int = 0) -> dict:
     split, index = task_id.split("-")[1], int(task_id.rsplit("-", 1)[1])
     rng = random.Random(f"{seed}/{task_id}")
     family = FAMILIES[index % len(FAMILIES)]
-    recs = [f"{k} {i}" for k, n in (("cabinet", rng.randint(2, 5)), ("drawer", rng.randint(1, 3)),
-                                    ("countertop", rng.randint(1, 2))) for i in range(1, n + 1)]
-    recs += ["fridge 1", "microwave 1", "sinkbasin 1"]
+    sizes = {"cabinet": rng.randint(2, 5), "drawer": rng.randint(1, 3), "countertop": rng.randint(1, 2),
+             "fridge": 1, "microwave": 1, "sinkbasin": 1}  # every room can clean, heat and cool
     for k in rng.sample(OPTIONAL_RECEPTACLES, rng.randint(3, 6)):
-        recs += [f"{k} {i}" for i in range(1, (2 if k in ("shelf", "stoveburner") and rng.random() < 0.5 else 1) + 1)]
-    if not any(kind(r) in LAMP_HOLDERS for r in recs):
-        recs.append("sidetable 1")
-    recs.sort(key=lambda r: (kind(r), int(r.rsplit(" ", 1)[1])))
+        sizes[k] = 2 if k in ("shelf", "stoveburner") and rng.random() < 0.5 else 1
+    if not any(k in LAMP_HOLDERS for k in sizes):
+        sizes["sidetable"] = 1
+    recs = [f"{k} {i}" for k in sorted(sizes) for i in range(1, sizes[k] + 1)]
     lamp_at = rng.choice([r for r in recs if kind(r) in LAMP_HOLDERS])
     unseen = split == "valid_unseen"
     otype = rng.choice([t for t in TASK_OBJECTS[family] if (t in UNSEEN_TYPES) == unseen])
@@ -242,7 +236,7 @@ def make_household_task(task_id: str, seed: int = 0) -> dict:
 
     def place(t, spots):
         counts[t] = counts.get(t, 0) + 1
-        objects[f"{t} {counts[t]}"] = {"type": t, "loc": rng.choice(spots), "clean": False, "heat": False, "cool": False}
+        objects[f"{t} {counts[t]}"] = {"type": t, "loc": rng.choice(spots), **dict.fromkeys(APPLIANCE, False)}
 
     for _ in range(rng.randint(2, 3) if family == "pick_two_obj_and_place" else 1):
         place(otype, [r for r in recs if kind(r) != rtype])
@@ -260,15 +254,13 @@ class HouseholdEnv(Env):
 
     def __init__(self, split="train", seed=0, data_dir=None, n_train=200, n_valid=30, **kw):
         super().__init__(**kw)
-        n = n_train if split == "train" else n_valid
-        self.seed, self._ids = seed, [f"household-{split}-{i}" for i in range(n)]
+        self.seed, self._ids = seed, [f"household-{split}-{i}" for i in range(n_train if split == "train" else n_valid)]
 
     def _start(self, task_id):
         spec = make_household_task(task_id, self.seed)
         self.spec, self.objects = spec, spec["objects"]
         self.loc, self.holding, self.opened, self.lamp_on = None, None, set(), False
-        view = ("You are in the middle of a room. Looking quickly around you, you see "
-                + list_things(spec["receptacles"]) + ".")
+        view = f"{ROOM_VIEW} {list_things(spec['receptacles'])}."
         return spec["task"], spec["family"], view
 
     # ---- what the agent sees and may do
@@ -318,7 +310,7 @@ class HouseholdEnv(Env):
             (self.opened.add if verb == "open" else self.opened.discard)(args[0])
             obs = f"You open the {args[0]}. {self.describe(args[0])}" if verb == "open" else f"You close the {args[0]}."
         elif verb == "take":
-            self.objects[args[0]]["loc"], self.holding = HAND, args[0]
+            self.objects[args[0]]["loc"], self.holding = "hand", args[0]
             obs = f"You pick up the {args[0]} from the {args[1]}."
         elif verb == "move":
             self.objects[args[0]]["loc"], self.holding = args[1], None
@@ -331,17 +323,20 @@ class HouseholdEnv(Env):
         elif verb == "examine":
             obs = self.describe(args[0]) if args[0] != self.holding else f"This is a normal {args[0]}."
         elif verb == "look":
-            obs = (f"You are facing the {self.loc}. Next to it, you see nothing." if self.loc else
-                   "You are in the middle of a room. Looking quickly around you, you see nothing.")
+            obs = f"You are facing the {self.loc}. Next to it, you see nothing." if self.loc else f"{ROOM_VIEW} nothing."
         else:
             obs = f"You are carrying: a {self.holding}." if self.holding else "You are not carrying anything."
         won = self.goal_met()
         return obs, float(won), won, won, {}
 
     def counts_for_goal(self, name: str) -> bool:
+        """The object already sits where the goal wants it (never true for the look family)."""
         o, s = self.objects[name], self.spec
+        if s["family"] == "pick_two_obj_and_place":
+            return o["loc"] == self.best_target_count()[0]
         need = TREATMENT.get(s["family"])
-        return o["type"] == s["otype"] and kind(o["loc"]) == s["rtype"] and (need is None or o[need])
+        return (s["family"] != "look_at_obj_in_light" and o["type"] == s["otype"] and kind(o["loc"]) == s["rtype"]
+                and (need is None or o[need]))
 
     def goal_met(self) -> bool:
         s = self.spec
@@ -356,7 +351,7 @@ class HouseholdEnv(Env):
         s = self.spec
         targets = [r for r in s["receptacles"] if kind(r) == s["rtype"]]
         count = {r: sum(o["type"] == s["otype"] and o["loc"] == r for o in self.objects.values()) for r in targets}
-        best = max(targets, key=lambda r: (count[r], r == self.loc))
+        best = max(targets, key=lambda r: (count[r], r == self.loc))  # ties: here, else the first one
         return best, count[best]
 
     # ---- privileged scripted expert
@@ -374,21 +369,12 @@ class HouseholdEnv(Env):
                 return self._go_or(APPLIANCE[need], f"{need} {held} with {APPLIANCE[need]}")
             if s["family"] == "look_at_obj_in_light":
                 return self._go_or(s["lamp_at"], "use desklamp 1")
-            if s["family"] == "pick_two_obj_and_place":
-                target = self.best_target_count()[0]
-            else:
-                target = self.loc if kind(self.loc) == s["rtype"] else next(
-                    r for r in s["receptacles"] if kind(r) == s["rtype"])
+            target = self.best_target_count()[0]
             return self._go_or(target, f"move {held} to {target}")
-        wanted = [n for n, o in sorted(self.objects.items()) if o["type"] == s["otype"] and not self._done_with(n)]
+        wanted = [n for n, o in sorted(self.objects.items()) if o["type"] == s["otype"] and not self.counts_for_goal(n)]
         wanted.sort(key=lambda n: self.objects[n]["loc"] != self.loc)
         where = self.objects[wanted[0]]["loc"]
         return self._go_or(where, f"take {wanted[0]} from {where}")
-
-    def _done_with(self, name: str) -> bool:
-        if self.spec["family"] == "pick_two_obj_and_place":
-            return self.objects[name]["loc"] == self.best_target_count()[0]
-        return self.spec["family"] != "look_at_obj_in_light" and self.counts_for_goal(name)
 
     def _go_or(self, rec: str, action: str) -> str:
         """Go to rec, open it if needed, then do action (moving and taking need an open container)."""
@@ -457,9 +443,9 @@ class AlfWorldEnv(Env):
             self.close()
             self.game, self.loaded = self._make_game(str(self.root / task_id)), task_id
         text, self.infos = self.game.reset()
-        task = text.split("Your task is to:", 1)[1].strip() if "Your task is to:" in text else ""
-        room = text.split("Your task is to:", 1)[0].replace("-= Welcome to TextWorld, ALFRED! =-", "").strip()
-        return task, Path(task_id).parent.parent.name.split("-")[0], room
+        room, _, task = text.partition("Your task is to:")
+        room = room.replace("-= Welcome to TextWorld, ALFRED! =-", "").strip()
+        return task.strip(), Path(task_id).parent.parent.name.split("-")[0], room
 
     def admissible(self) -> list[str]:
         return [a for a in self.infos.get("admissible_commands", []) if a != "help"]
@@ -507,8 +493,7 @@ class BM25Retriever:
     def __init__(self, corpus_jsonl: str | Path):
         import bm25s
         self._bm25s, self.lock = bm25s, threading.Lock()
-        with open(corpus_jsonl, encoding="utf-8") as f:
-            self.docs = [json.loads(line) for line in f if line.strip()]
+        self.docs = [json.loads(line) for line in Path(corpus_jsonl).read_text("utf-8").splitlines() if line.strip()]
         self.index = bm25s.BM25()
         self.index.index(self._tokens([d["contents"] for d in self.docs]), show_progress=False)
 
@@ -583,12 +568,10 @@ def load_questions(data_dir: str) -> dict[str, dict]:
     """All FlashRAG-format questions under data_dir, keyed by '<file stem>/<id>'."""
     questions = {}
     for path in sorted(Path(data_dir).glob("*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line) if line.strip() else {}
-                if "question" in row and "golden_answers" in row:
-                    row.setdefault("data_source", path.stem)
-                    questions[f"{path.stem}/{row['id']}"] = row
+        for row in (json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()):
+            if "question" in row and "golden_answers" in row:  # skips e.g. the raw HotpotQA context file
+                row.setdefault("data_source", path.stem)
+                questions[f"{path.stem}/{row['id']}"] = row
     return questions
 
 

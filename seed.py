@@ -41,6 +41,7 @@ import math
 import os
 import random
 import re
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -110,7 +111,7 @@ PAPER = {  # Table 5 / §4.1
 }
 PAPER["household"] = PAPER["alfworld"]
 TINY = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollouts=2, max_prompt_len=1024,
-            max_response_len=48, max_steps=6, annotator_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6)
+            max_response_len=48, annotator_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps
 
 
 def resolve(args: Args) -> Args:
@@ -120,6 +121,8 @@ def resolve(args: Args) -> Args:
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.max_steps is None:  # only the tiny preset leaves it open: at most 6 steps per episode
+        args.max_steps = min(6, PAPER[args.env]["max_steps"])
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available()
     if args.skill_source not in ("on_policy", "static"):
@@ -274,7 +277,7 @@ def sft_train(policy, tok, data, args, d) -> dict:
             total = 0.0
             for idx in C.pad_chunks(C.chunk(step, args.micro_batch), d.device):
                 p, r = ([prompts[i] for i in idx], [targets[i] for i in idx]) if idx else ([C.DUMMY[0]], [C.DUMMY[1]])
-                logp, mask = C.sequence_logprobs(policy, p, r, tok.pad_token_id, d.device)
+                logp, mask = C.sequence_logprobs(policy, p, r, d.device)
                 loss = sft_loss(logp, mask, n_global) * (d.world if idx else 0.0)  # FSDP averages over ranks
                 loss.backward()
                 total += loss.item() / d.world
@@ -316,10 +319,9 @@ def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]
 def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
     """Cache ℓ_old and ℓ_ref (Alg. 1 l.16), then one epoch of mini-batches of L_SEED (l.21-29)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-    pad = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, pad, d.device)   # ℓ_old: θ_old = θ before this update
-        ref_lp = C.score(ref, P, R, args.micro_batch, pad, d.device)   # π_ref for the KL term
+        old = C.score(policy, P, R, args.micro_batch, d.device)   # ℓ_old: θ_old = θ before this update
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)   # π_ref for the KL term
     order = list(range(len(samples)))
     random.Random(args.seed + d.rank).shuffle(order)
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
@@ -341,13 +343,13 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                     with_skill = [j for j, i in enumerate(idx) if samples[i].teacher_ids]
                     tp = [samples[idx[j]].teacher_ids for j in with_skill] or [C.DUMMY[0]]
                     tr = [r[j] for j in with_skill] or [C.DUMMY[1]]
-                    with torch.no_grad():
-                        t_lp, _ = C.sequence_logprobs(policy, tp, tr, pad, d.device)
+                    with torch.no_grad(), timer("teacher"):  # time/teacher is a part of time/update
+                        t_lp, _ = C.sequence_logprobs(policy, tp, tr, d.device)
                     for k, j in enumerate(with_skill):
                         skill_lp[j, :len(r[j])] = t_lp[k, :len(r[j])]
                         has[j] = 1.0
                 # ... and ℓ_θ with gradient (student branch, ordinary context)
-                logp, mask = C.sequence_logprobs(policy, p, r, pad, d.device)
+                logp, mask = C.sequence_logprobs(policy, p, r, d.device)
                 old_lp = C.pad_right([old[i] for i in idx] or [torch.zeros(1)], d.device)
                 ref_b = C.pad_right([ref_lp[i] for i in idx] or [torch.zeros(1)], d.device)
                 adv = torch.tensor([samples[i].adv for i in idx] or [0.0], device=d.device)[:, None]
@@ -404,7 +406,8 @@ def main(args: Args):
     if args.retriever_url:
         env_kw["retriever_url"] = args.retriever_url
     train_ids = envs.make_env(args.env, split="train", **env_kw).task_ids()
-    valid_ids = envs.make_env(args.env, split="valid_seen", **env_kw).task_ids()[:args.eval_tasks]
+    valid_ids = envs.make_env(args.env, split="valid_seen", **env_kw).task_ids()
+    valid_ids = random.Random(args.seed).sample(valid_ids, min(args.eval_tasks, len(valid_ids)))
     make_train = lambda: envs.make_env(args.env, split="train", **env_kw)  # noqa: E731
     make_valid = lambda: envs.make_env(args.env, split="valid_seen", **env_kw)  # noqa: E731
     metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates + 1, "seed")
@@ -424,7 +427,7 @@ def main(args: Args):
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     for update in range(args.updates):
-        timer = C.Timer()
+        timer, t0 = C.Timer(), time.perf_counter()
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.5: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
@@ -453,7 +456,7 @@ def main(args: Args):
                 C.save_checkpoint(policy, tok, os.path.join(args.out_dir, "final" if last else f"update{update + 1}"),
                                   d)
         row.update(timer.as_metrics())
-        row["time/total"] = sum(timer.s.values())
+        row["time/total"] = time.perf_counter() - t0
         metrics.log(row)
     metrics.close()
     C.shutdown()

@@ -92,6 +92,51 @@ def test_household_splits_are_deterministic_and_unseen_types_are_held_out():
     assert c.prompt() != b.prompt()  # the seed picks another world
 
 
+def test_household_expert_takes_over_mid_episode():
+    import random
+    env = make_env("household", "valid_unseen", max_steps=80)
+    for task_id in env.task_ids():
+        rng = random.Random(task_id)
+        env.reset(task_id)
+        for _ in range(12):  # wander with random admissible actions, then hand over to the expert
+            if not env.done:
+                env.step(format_expert_response(rng.choice(env.admissible()), "household"))
+        while not env.done:
+            env.step(format_expert_response(env.expert_action(), "household"))
+        assert env.won, task_id
+
+
+def test_household_goals_need_every_condition():
+    env = make_env("household", "valid_seen")
+    for task_id in env.task_ids()[:6]:
+        env.reset(task_id)
+        s, family = env.spec, env.family
+        targets = [r for r in s["receptacles"] if envs.kind(r) == s["rtype"]]
+        first, second = ([n for n, o in sorted(env.objects.items()) if o["type"] == s["otype"]] + [None])[:2]
+        if family == "look_at_obj_in_light":
+            env.holding, env.objects[first]["loc"], env.loc = first, "hand", s["lamp_at"]
+            assert not env.goal_met()  # lamp still off
+            env.lamp_on = True
+            assert env.goal_met()
+            env.loc = next(r for r in s["receptacles"] if r != s["lamp_at"])
+            assert not env.goal_met()  # lamp on elsewhere
+        elif family == "pick_two_obj_and_place":
+            env.objects[first]["loc"] = targets[0]
+            assert not env.goal_met()
+            if len(targets) > 1:
+                env.objects[second]["loc"] = targets[1]
+                assert not env.goal_met()  # two objects, but not in the same receptacle
+            env.objects[second]["loc"] = targets[0]
+            assert env.goal_met()
+        else:
+            env.objects[first]["loc"] = targets[-1]
+            need = envs.TREATMENT.get(family)
+            if need:
+                assert not env.goal_met()  # placed but not cleaned/heated/cooled
+                env.objects[first][need] = True
+            assert env.goal_met()
+
+
 @pytest.mark.parametrize("label", sorted(UGLY))
 def test_household_malformed_response_is_a_penalised_no_op(label):
     env = make_env("household", "valid_seen")
@@ -200,6 +245,13 @@ def test_alfworld_prompt_invalid_actions_and_handcoded_expert():
 def test_alfworld_missing_data_gives_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="alfworld-download"):
         make_env("alfworld", data_dir=str(tmp_path))
+
+
+def test_alfworld_missing_package_gives_a_clear_error(monkeypatch):
+    for name in ("textworld", "alfworld.agents.environment"):  # `import` now fails as for a missing package
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r"pip install alfworld==0\.4\.2 pyyaml"):
+        make_env("alfworld", data_dir=str(ALFWORLD_DATA))
 
 
 # ----------------------------------------------------------------------------- search

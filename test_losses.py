@@ -137,3 +137,18 @@ def test_prop2_tied_rewards_rl_gradient_zero_opd_gradient_iff_gate_varies():
     var = (pi * (w - Z) ** 2).sum()
     assert ((g ** 2) / pi).sum().item() == pytest.approx(var.item(), rel=1e-5)
     assert var.item() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+
+def test_left_padded_scoring_matches_unpadded_forward():
+    """ℓ(a_ℓ | h, a_<ℓ) from a padded micro-batch equals a lone unpadded forward of the same sequence."""
+    model = C.load_model("tiny", 0)
+    prompts, responses = [[5, 6, 7, 8, 9], [10, 11]], [[12, 13, 14], [15]]
+    logp, mask = C.sequence_logprobs(model, prompts, responses, "cpu")
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        with torch.no_grad():
+            lg = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float().log_softmax(-1)
+        ref = lg.gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        assert torch.allclose(logp[i, :len(r)], ref, atol=1e-5)
