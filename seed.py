@@ -316,6 +316,21 @@ def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]
     return samples, adv
 
 
+@torch.no_grad()
+def skill_branch(policy, batch: list[Sample], responses, d):
+    """Alg. 1 l.22, teacher branch: ℓ_skill = log π_θ(a | H(h, s), a_<ℓ) with the CURRENT θ and no gradient, on
+    the same response ids. Returns (ℓ_skill [B, R], has [B, 1]); rows without a skill stay 0 with has = 0."""
+    skill_lp = torch.zeros(len(responses), max(map(len, responses)), device=d.device)
+    has = torch.zeros(len(responses), 1, device=d.device)
+    rows = [j for j, s in enumerate(batch) if s.teacher_ids]
+    tp = [batch[j].teacher_ids for j in rows] or [C.DUMMY[0]]  # every rank runs one forward (FSDP collective)
+    t_lp, _ = C.sequence_logprobs(policy, tp, [responses[j] for j in rows] or [C.DUMMY[1]], d.device)
+    for k, j in enumerate(rows):
+        skill_lp[j, :len(responses[j])] = t_lp[k, :len(responses[j])]
+        has[j] = 1.0
+    return skill_lp, has
+
+
 def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
     """Cache ℓ_old and ℓ_ref (Alg. 1 l.16), then one epoch of mini-batches of L_SEED (l.21-29)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
@@ -323,7 +338,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
         old = C.score(policy, P, R, args.micro_batch, d.device)   # ℓ_old: θ_old = θ before this update
         ref_lp = C.score(ref, P, R, args.micro_batch, d.device)   # π_ref for the KL term
     order = list(range(len(samples)))
-    random.Random(args.seed + d.rank).shuffle(order)
+    random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
     sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
     norms = []
@@ -333,30 +348,21 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                                          sum(len(R[i]) for i in mb if samples[i].teacher_ids)], d.device)
             for idx in C.pad_chunks(C.chunk(mb, args.micro_batch), d.device):
                 scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
-                rows = idx or [None]
                 p = [P[i] for i in idx] or [C.DUMMY[0]]
                 r = [R[i] for i in idx] or [C.DUMMY[1]]
-                # Alg. 1 l.22: ℓ_skill with the current θ, no gradient (teacher branch) ...
-                skill_lp = torch.zeros(len(rows), max(map(len, r)), device=d.device)
-                has = torch.zeros(len(rows), 1, device=d.device)
                 if args.lambda_opd > 0:
-                    with_skill = [j for j, i in enumerate(idx) if samples[i].teacher_ids]
-                    tp = [samples[idx[j]].teacher_ids for j in with_skill] or [C.DUMMY[0]]
-                    tr = [r[j] for j in with_skill] or [C.DUMMY[1]]
-                    with torch.no_grad(), timer("teacher"):  # time/teacher is a part of time/update
-                        t_lp, _ = C.sequence_logprobs(policy, tp, tr, d.device)
-                    for k, j in enumerate(with_skill):
-                        skill_lp[j, :len(r[j])] = t_lp[k, :len(r[j])]
-                        has[j] = 1.0
-                # ... and ℓ_θ with gradient (student branch, ordinary context)
+                    with timer("teacher"):  # time/teacher is a part of time/update
+                        skill_lp, has = skill_branch(policy, [samples[i] for i in idx], r, d)
+                # Alg. 1 l.22, student branch: ℓ_θ in the ordinary context, with gradient
                 logp, mask = C.sequence_logprobs(policy, p, r, d.device)
                 old_lp = C.pad_right([old[i] for i in idx] or [torch.zeros(1)], d.device)
                 ref_b = C.pad_right([ref_lp[i] for i in idx] or [torch.zeros(1)], d.device)
                 adv = torch.tensor([samples[i].adv for i in idx] or [0.0], device=d.device)[:, None]
+                # Alg. 1 l.25-26: ρ = exp(ℓ_θ − ℓ_old), clipped GRPO loss + β_KL·KL over the mini-batch's tokens
                 l_rl, pg, kl = grpo_loss(logp, old_lp, ref_b, adv, mask, args.clip_eps, args.beta_kl, n_tok)
-                loss = l_rl
+                loss = l_rl  # with λ_opd = 0 the teacher branch is never run: exactly GRPO
                 if args.lambda_opd > 0:
-                    l_opd, gate = opd_loss(logp, skill_lp, mask * has, args.beta_opd, n_opd)
+                    l_opd, gate = opd_loss(logp, skill_lp, mask * has, args.beta_opd, n_opd)  # l.23-24, 27
                     loss = l_rl + args.lambda_opd * l_opd  # L_SEED (Alg. 1 l.28)
                     m = (mask * has).detach()
                     sums["opd"] += l_opd.item()
