@@ -3,6 +3,7 @@ reduces to GRPO exactly, micro-batching leaves the update unchanged, stage-1 SFT
 stages end to end (one process, and torchrun with 2 FSDP ranks) with a real HTTP annotator on localhost."""
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def run_update(d, tok, batch, sgd=False, **kw):
     ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
         torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    random.seed(d.rank)  # the same mini-batch order in every call
     row = seed.seed_update(policy, ref, opt, samples, args, d, C.Timer())
     params = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
     return row, params, samples, adv
