@@ -96,8 +96,9 @@ class Args:
     micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
-    eval_tasks: int | None = arg(None, "held-out tasks per validation (valid_seen)")
-    eval_temperature: float = arg(0.4, "validation sampling temperature")
+    eval_tasks: int | None = arg(None, "held-out tasks per validation")
+    eval_split: str = arg("valid_seen", "valid_seen | valid_unseen (ALFWorld's out-of-distribution split)")
+    eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
     save_every: int = arg(50, "save an HF checkpoint every k updates (and after the last)")
 
 
@@ -127,6 +128,8 @@ def resolve(args: Args) -> Args:
         args.bf16 = torch.cuda.is_available()
     if args.skill_source not in ("on_policy", "static"):
         raise SystemExit(f"--skill_source must be on_policy or static, got {args.skill_source!r}")
+    if args.skill_source == "static" and args.skip_sft:
+        raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
     return args
 
 
@@ -226,7 +229,7 @@ def analyze(trajs, engine, args, client=None) -> list[str | None]:
 
 def run_stage1(args, d, tok, make_env, train_ids, metrics) -> str:
     """Collect B (M tasks × K0), annotate, keep v_τ = 1, fine-tune with L_sft, save θ_sft. Returns its path."""
-    timer = C.Timer()
+    timer, t0 = C.Timer(), time.perf_counter()
     policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16)
     engine = C.HFEngine(C.load_model(args.model, args.seed, torch.bfloat16 if args.bf16 else torch.float32),
                         tok, d.device)
@@ -256,7 +259,7 @@ def run_stage1(args, d, tok, make_env, train_ids, metrics) -> str:
         if d.main:
             with open(os.path.join(path, "skills.jsonl"), "a") as f:
                 f.writelines(json.dumps(x) + "\n" for x in part)
-    metrics.log({**row, **timer.as_metrics()})
+    metrics.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
     del policy, engine
     return path
 
@@ -301,8 +304,9 @@ class Sample:
 
 def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]:
     """Alg. 1 l.10-15: group advantages and the skill-augmented context of every turn."""
-    groups = sorted({tr.group for tr in trajs})
-    rewards = torch.tensor([[tr.reward for tr in trajs if tr.group == g] for g in groups])
+    groups = sorted({tr.group for tr in trajs})  # may be empty: a rank with no task this update
+    rewards = torch.tensor([[tr.reward for tr in trajs if tr.group == g] for g in groups]) if groups \
+        else torch.zeros(0, args.group_size)
     adv = group_advantages(rewards, args.adv_eps)
     members = {g: [tr for tr in trajs if tr.group == g] for g in groups}
     adv_of = {id(tr): adv[gi, n].item() for gi, g in enumerate(groups) for n, tr in enumerate(members[g])}
@@ -412,19 +416,17 @@ def main(args: Args):
     if args.retriever_url:
         env_kw["retriever_url"] = args.retriever_url
     train_ids = envs.make_env(args.env, split="train", **env_kw).task_ids()
-    valid_ids = envs.make_env(args.env, split="valid_seen", **env_kw).task_ids()
+    valid_ids = envs.make_env(args.env, split=args.eval_split, **env_kw).task_ids()
     valid_ids = random.Random(args.seed).sample(valid_ids, min(args.eval_tasks, len(valid_ids)))
     make_train = lambda: envs.make_env(args.env, split="train", **env_kw)  # noqa: E731
-    make_valid = lambda: envs.make_env(args.env, split="valid_seen", **env_kw)  # noqa: E731
-    metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates + 1, "seed")
+    make_valid = lambda: envs.make_env(args.env, split=args.eval_split, **env_kw)  # noqa: E731
+    metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates + (not args.skip_sft), "seed")
     if d.main:
         with open(os.path.join(args.out_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=1)
 
     # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input)
     init = args.model if args.skip_sft else run_stage1(args, d, tok, make_train, train_ids, metrics)
-    if args.skill_source == "static" and args.skip_sft:
-        raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
     lib = static_library(init) if args.skill_source == "static" else None
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     policy = C.shard(C.load_model(init, args.seed), d, args.bf16)                  # Alg. 1 l.3: θ ← θ_sft

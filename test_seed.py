@@ -276,9 +276,10 @@ def test_seed_end_to_end_single_process_with_http_annotator(tmp_path):
     assert rows[1]["skills/valid_rate"] > 0  # the static library supplies skills to stage 2
 
 
-def test_seed_end_to_end_torchrun_two_ranks(tmp_path):
+def test_seed_end_to_end_torchrun_two_ranks_one_idle(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(HERE / "seed.py"), "--out_dir", str(tmp_path), "--updates", "2"]
+           str(free_port()), str(HERE / "seed.py"), "--out_dir", str(tmp_path), "--updates", "2",
+           "--tasks_per_update", "1", "--sft_tasks", "1"]  # one task group: rank 1 has nothing to play
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     check_run(tmp_path, 2, sft_examples=False)  # the random tiny policy writes no well-formed skill
