@@ -70,7 +70,7 @@ def init_distributed(seed: int, timeout_minutes: int = 30) -> Dist:
                             device_id=device if backend == "nccl" else None)
     rank = dist.get_rank()
     random.seed(seed + rank)
-    torch.manual_seed(seed + rank)  # sampling differs per rank; model init re-seeds identically (load_policy)
+    torch.manual_seed(seed + rank)  # sampling differs per rank (the tiny model's init forks its own RNG)
     return Dist(rank, dist.get_world_size(), device)
 
 
@@ -153,8 +153,9 @@ def build_tiny_model(vocab_size: int, seed: int):
     cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                       tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg)
+    with torch.random.fork_rng():  # identical weights on every rank, per-rank sampling streams untouched
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(cfg)
 
 
 def load_tokenizer(name: str):
@@ -180,12 +181,14 @@ def stop_token_ids(tok) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def shard(model, d: Dist, bf16: bool, trainable: bool = True):
+def shard(model, d: Dist, bf16: bool, trainable: bool = True, grad_ckpt: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(d.device.type, (d.world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
+    if grad_ckpt:  # recompute each decoder layer in backward instead of storing its activations
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -267,11 +270,23 @@ def left_pad(seqs: list[list[int]], pad_id: int, device):
     return ids.to(device), mask.to(device)
 
 
-def encode_prompt(tok, user_text: str, max_len: int) -> tuple[list[int], bool]:
-    """Chat-template one user turn. Over-long prompts keep their last max_len tokens (returned flag counts it)."""
-    ids = tok.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=False)
-    return (ids[-max_len:], True) if len(ids) > max_len else (ids, False)
+def chat_ids(tok, user_text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+
+
+def encode_prompt(tok, user_text: str, max_len: int) -> tuple[list[int], str]:
+    """Chat-template one user turn. An over-long user text loses its middle (the oldest history), keeping its head
+    (task) and tail (latest observation, format instructions) and the chat template intact. Returns the ids and
+    the text actually encoded (callers count `text != user_text` and build teacher contexts from it)."""
+    ids = chat_ids(tok, user_text)
+    if len(ids) <= max_len:
+        return ids, user_text
+    text_ids = tok(user_text, add_special_tokens=False)["input_ids"]
+    keep = max(len(text_ids) - (len(ids) - max_len) - 16, 2)  # 16: room for the marker and re-tokenization
+    head, tail = keep // 4, keep - keep // 4
+    user_text = tok.decode(text_ids[:head]) + "\n[...]\n" + tok.decode(text_ids[-tail:])
+    return chat_ids(tok, user_text)[-max_len:], user_text
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -281,7 +296,7 @@ def encode_prompt(tok, user_text: str, max_len: int) -> tuple[list[int], bool]:
 
 @dataclass
 class Turn:
-    prompt_text: str          # the agent prompt (user message) the policy saw
+    prompt_text: str          # the agent prompt (user message) the policy saw, after any truncation
     prompt_ids: list[int]     # its chat-templated token ids
     response_ids: list[int]   # the sampled tokens, never re-tokenized
     response_text: str
@@ -297,6 +312,7 @@ class Trajectory:
     group: int                # index of the task group on this rank (all N rollouts of a task share it)
     task: str
     family: str
+    first_observation: str    # what the agent saw before its first action
     turns: list[Turn] = field(default_factory=list)
     won: bool = False
 
@@ -320,15 +336,15 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
             env = make_env()
             env.reset(task_id)
             envs.append(env)
-            trajs.append(Trajectory(task_id, g, env.task, env.family))
+            trajs.append(Trajectory(task_id, g, env.task, env.family, env.observation))
     stats, active = CollectStats(), list(range(len(envs)))
     while active:
         texts = [envs[i].prompt() for i in active]
         encoded = [encode_prompt(engine.tok, t, max_prompt) for t in texts]
-        stats.truncated_prompts += sum(trunc for _, trunc in encoded)
+        stats.truncated_prompts += sum(used != t for t, (_, used) in zip(texts, encoded))
         responses = engine.generate([ids for ids, _ in encoded], max_response, temperature, top_p)
         still = []
-        for i, text, (ids, _), resp in zip(active, texts, encoded, responses):
+        for i, (ids, text), resp in zip(active, encoded, responses):
             stats.unterminated_responses += resp[-1:] != [] and resp[-1] not in engine.stops
             resp_text = engine.tok.decode(resp, skip_special_tokens=True)
             obs, reward, done, info = envs[i].step(resp_text)
@@ -437,7 +453,7 @@ def clipped_surrogate(logp, old_logp, adv, clip_eps: float) -> torch.Tensor:
 
 def kl_k3(logp, ref_logp) -> torch.Tensor:
     """Low-variance KL(π_θ ‖ π_ref) estimator per token: exp(r) − r − 1 with r = ℓ_ref − ℓ_θ, clamped to ±10."""
-    r = ref_logp - logp
+    r = (ref_logp - logp).clamp(-20.0, 20.0)  # keeps exp finite: an inf here would make the gradient NaN
     return (torch.exp(r) - r - 1).clamp(-10.0, 10.0)
 
 
@@ -459,8 +475,9 @@ class Metrics:
         from tqdm import tqdm
         self.d, self.path = d, path
         self.bar = tqdm(total=total, desc=desc, disable=not d.main, dynamic_ncols=True)
-        if d.main:
+        if d.main:  # a new run starts a new file
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            open(path, "w").close()
 
     def log(self, row: dict):
         if self.d.main:

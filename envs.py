@@ -2,7 +2,7 @@
 
 Protocol: env = make_env(name, split, seed, data_dir, **kw) (one independent instance per rollout);
 env.task_ids() lists the split's tasks in a fixed order; env.reset(task_id) sets env.task (the goal in
-words) and env.family; env.prompt() is the user message of the current step; env.step(model_text) returns
+words), env.family and env.observation (the first observation); env.prompt() is the user message of the current step; env.step(model_text) returns
 (observation, reward, done, info); env.expert_action() is a scripted next action or None.
 
 `reward` is the step's task reward minus `invalid_penalty` if the step was invalid, so the episode sum is

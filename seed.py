@@ -26,11 +26,12 @@ Deviations / choices:
     batch size and the stage-2 analyzer temperature (0, greedy, like the stage-1 annotator) are not given in the
     paper: see Args.
   * H(h, s) prepends a skill block to the agent prompt (user message); the skill is cut to `skill_max_tokens`.
-  * A trajectory without a valid skill contributes no OPD tokens: m in Eq. (1) is (valid token) × (has skill), and
-    L_opd is normalised by the mini-batch's count of such tokens. L_rl is normalised by all valid tokens.
-  * Trajectory-analysis input x_τ lists the steps first and the instructions last, so an over-long trajectory is
-    cut from its oldest steps (counted) and never loses the instructions.
-  * σ_q = 0 (tied group): (R − μ)/(σ + ε) = 0/ε = 0 for every member (ε = 1e-6), never NaN.
+  * A trajectory without a valid skill has no teacher: its tokens add 0 to the numerator of Eq. (1) but still
+    count in its denominator Σm (all valid action tokens of the mini-batch, as for L_rl).
+  * Over-long prompts (agent or x_τ) lose their middle, keeping the chat template, the task and the latest steps
+    (common.encode_prompt; counted); the teacher context is H applied to the prompt the student actually saw.
+  * A tied group (all R equal) gets A = 0 exactly, never NaN (see group_advantages).
+  * With λ_opd = 0 no skills are generated (they would be unused).
   * The reference policy π_ref is the stage-1 checkpoint (the base model when stage 1 is skipped).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (not stated in Table 5; verl defaults).
 """
@@ -95,6 +96,7 @@ class Args:
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
     micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
+    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
     eval_split: str = arg("valid_seen", "valid_seen | valid_unseen (ALFWorld's out-of-distribution split)")
@@ -126,6 +128,8 @@ def resolve(args: Args) -> Args:
         args.max_steps = min(6, PAPER[args.env]["max_steps"])
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available()
+    if args.grad_ckpt is None:  # Qwen2.5-3B: ~95 GiB of activations for 8 × 2560 tokens without it
+        args.grad_ckpt = torch.cuda.is_available()
     if args.skill_source not in ("on_policy", "static"):
         raise SystemExit(f"--skill_source must be on_policy or static, got {args.skill_source!r}")
     if args.skill_source == "static" and args.skip_sft:
@@ -139,14 +143,17 @@ def resolve(args: Args) -> Args:
 
 
 def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """§3.3 / Alg. 1 l.10-12: A_{q,n} = (R − μ_q)/(σ_q + ε), population std over the group. rewards: [groups, N]."""
+    """§3.3 / Alg. 1 l.10-12: A_{q,n} = (R − μ_q)/(σ_q + ε), population std over the group. rewards: [groups, N].
+    A tied group gets exactly 0 (Prop. 2): in float32, R − μ and σ of e.g. eight 0.9s are ~1e-8, not 0, and
+    dividing by σ + ε would hand the whole group a spurious ±5% advantage."""
     mu = rewards.mean(dim=1, keepdim=True)
     sigma = rewards.std(dim=1, unbiased=False, keepdim=True)
-    return (rewards - mu) / (sigma + eps)
+    tied = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return ((rewards - mu) / (sigma + eps)).masked_fill(tied, 0.0)
 
 
 def opd_loss(logp, skill_logp, mask, beta_opd: float, denom=None):
-    """Eq. (1) / Alg. 1 l.23-27. Δ = sg[ℓ_skill − ℓ_θ]; g = σ(β_opd Δ); L_opd = E[m · g · (sg[ℓ_skill] − ℓ_θ)],
+    """Eq. (1) / Alg. 1 l.23-24, 27. Δ = sg[ℓ_skill − ℓ_θ]; g = σ(β_opd Δ); L_opd = E[m · g · (sg[ℓ_skill] − ℓ_θ)],
     a masked mean over valid tokens (`denom`: the mini-batch's token count). Returns (loss, gate)."""
     delta = (skill_logp - logp).detach()
     gate = torch.sigmoid(beta_opd * delta)
@@ -179,13 +186,14 @@ Reply with the skill only, inside <skill> and </skill>."""
 
 
 def trajectory_input(traj: C.Trajectory, obs_chars: int = 300) -> str:
-    """x_τ (§3.2): the steps first, then task, outcome and instructions (see Deviations)."""
-    steps = []
+    """x_τ (§3.2): the task, every observation, action and reward, the outcome, then the instructions."""
+    steps = [f"Initial observation: {traj.first_observation[:2 * obs_chars]}"]
     for t, turn in enumerate(traj.turns):
         act = turn.action if turn.valid else f"(invalid) {turn.response_text[:200]!r}"
-        steps.append(f"Step {t + 1}\n  Action: {act}\n  Observation: {turn.observation[:obs_chars]}")
+        steps.append(f"Step {t + 1}\n  Action: {act}\n  Observation: {turn.observation[:obs_chars]}\n"
+                     f"  Reward: {turn.reward:g}")
     outcome = "success" if traj.won else "failure"
-    return ("Trajectory:\n" + "\n".join(steps) + f"\n\nTask: {traj.task}\nOutcome: {outcome} "
+    return (f"Task: {traj.task}\nTrajectory:\n" + "\n".join(steps) + f"\n\nOutcome: {outcome} "
             f"(return {traj.reward:.2f} after {len(traj.turns)} steps)\n\n{ANALYZER_INSTRUCTIONS}")
 
 
@@ -230,7 +238,7 @@ def analyze(trajs, engine, args, client=None) -> list[str | None]:
 def run_stage1(args, d, tok, make_env, train_ids, metrics) -> str:
     """Collect B (M tasks × K0), annotate, keep v_τ = 1, fine-tune with L_sft, save θ_sft. Returns its path."""
     timer, t0 = C.Timer(), time.perf_counter()
-    policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16)
+    policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
     engine = C.HFEngine(C.load_model(args.model, args.seed, torch.bfloat16 if args.bf16 else torch.float32),
                         tok, d.device)
     tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
@@ -255,10 +263,10 @@ def run_stage1(args, d, tok, make_env, train_ids, metrics) -> str:
             row.update(sft_train(policy, tok, data, args, d))
     path = os.path.join(args.out_dir, "stage1")
     C.save_checkpoint(policy, tok, path, d)
-    for part in C.all_gather_objects(library):
-        if d.main:
-            with open(os.path.join(path, "skills.jsonl"), "a") as f:
-                f.writelines(json.dumps(x) + "\n" for x in part)
+    parts = C.all_gather_objects(library)
+    if d.main:
+        with open(os.path.join(path, "skills.jsonl"), "w") as f:
+            f.writelines(json.dumps(x) + "\n" for part in parts for x in part)
     metrics.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
     del policy, engine
     return path
@@ -336,11 +344,11 @@ def skill_branch(policy, batch: list[Sample], responses, d):
 
 
 def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
-    """Cache ℓ_old and ℓ_ref (Alg. 1 l.16), then one epoch of mini-batches of L_SEED (l.21-29)."""
+    """Cache ℓ_old (Alg. 1 l.16) and ℓ_ref, then one epoch of mini-batches of L_SEED (l.21-29)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         old = C.score(policy, P, R, args.micro_batch, d.device)   # ℓ_old: θ_old = θ before this update
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)   # π_ref for the KL term
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)   # π_ref, for the KL term of L_rl
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
@@ -348,8 +356,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     norms = []
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
-            n_tok, n_opd = C.global_sum([sum(len(R[i]) for i in mb),
-                                         sum(len(R[i]) for i in mb if samples[i].teacher_ids)], d.device)
+            n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # Σm over the whole mini-batch
             for idx in C.pad_chunks(C.chunk(mb, args.micro_batch), d.device):
                 scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
                 p = [P[i] for i in idx] or [C.DUMMY[0]]
@@ -366,7 +373,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 l_rl, pg, kl = grpo_loss(logp, old_lp, ref_b, adv, mask, args.clip_eps, args.beta_kl, n_tok)
                 loss = l_rl  # with λ_opd = 0 the teacher branch is never run: exactly GRPO
                 if args.lambda_opd > 0:
-                    l_opd, gate = opd_loss(logp, skill_lp, mask * has, args.beta_opd, n_opd)  # l.23-24, 27
+                    l_opd, gate = opd_loss(logp, skill_lp, mask * has, args.beta_opd, n_tok)  # l.23-24, 27
                     loss = l_rl + args.lambda_opd * l_opd  # L_SEED (Alg. 1 l.28)
                     m = (mask * has).detach()
                     sums["opd"] += l_opd.item()
@@ -429,7 +436,7 @@ def main(args: Args):
     init = args.model if args.skip_sft else run_stage1(args, d, tok, make_train, train_ids, metrics)
     lib = static_library(init) if args.skill_source == "static" else None
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    policy = C.shard(C.load_model(init, args.seed), d, args.bf16)                  # Alg. 1 l.3: θ ← θ_sft
+    policy = C.shard(C.load_model(init, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
     ref = C.shard(C.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
     engine = C.HFEngine(C.load_model(init, args.seed, dtype), tok, d.device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -443,7 +450,12 @@ def main(args: Args):
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
         with timer("analysis"):                                                      # l.13: s = A_θold(x_τ)
-            skills = analyze(trajs, engine, args) if lib is None else library_skills(trajs, lib, random.Random(update))
+            if args.lambda_opd == 0:  # 'w/o OPD' ablation: skills would be unused
+                skills = [None] * len(trajs)
+            elif lib is not None:
+                skills = library_skills(trajs, lib, random.Random(update))
+            else:
+                skills = analyze(trajs, engine, args)
         samples, adv = build_samples(trajs, skills, tok, args)                      # l.10-15
         row = {"update": update, "stage": 2, **seed_update(policy, ref, opt, samples, args, d, timer)}
         n_sk, n_tr, n_zero, n_grp = C.global_sum([sum(s is not None for s in skills), len(trajs),

@@ -67,6 +67,13 @@ def test_group_advantages_by_hand_and_tied_group_is_zero():
     assert a[2].tolist() == pytest.approx([(x - mu) / (sd + 1e-6) for x in [0.9, -0.1, 0.0, -0.2]], abs=1e-6)
 
 
+@pytest.mark.parametrize("value", [0.9, 0.99, 2 / 3, -0.1, 0.7])
+def test_tied_group_with_inexact_rewards_is_exactly_zero(value):
+    """In float32, eight copies of 0.9 have R − μ ≈ σ ≈ 1e-8; (R − μ)/(σ + 1e-6) would be ~±0.05, not 0."""
+    r = torch.full((1, 8), value)
+    assert seed.group_advantages(r, eps=1e-6).tolist() == [[0.0] * 8]
+
+
 # ---------------------------------------------------------------------------------------------- GRPO pieces
 
 def test_clipped_surrogate_by_hand():
@@ -83,6 +90,13 @@ def test_k3_kl_by_hand_and_clamp():
     r1, r2 = -1.0, 1.0
     assert kl[:3].tolist() == pytest.approx([math.exp(r1) - r1 - 1, math.exp(r2) - r2 - 1, 0.0], abs=1e-6)
     assert kl[3].item() == 10.0  # exp(25) − 26 clamped to +10
+
+
+def test_k3_kl_gradient_stays_finite_for_huge_log_ratios():
+    logp = torch.tensor([-100.0, -1.0], requires_grad=True)  # r = ℓ_ref − ℓ_θ = 99 would overflow exp in float32
+    kl = C.kl_k3(logp, torch.tensor([-1.0, -1.5]))
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all() and kl[0].item() == 10.0
 
 
 def test_grpo_loss_combines_masked_means():
@@ -140,6 +154,18 @@ def test_prop2_tied_rewards_rl_gradient_zero_opd_gradient_iff_gate_varies():
 
 
 # ---------------------------------------------------------------------------------------------- scoring
+
+def test_over_long_prompt_keeps_template_head_and_tail():
+    tok = C.load_tokenizer("tiny")
+    text = "Your task is to: put a mug in the sink.\n" + "Step Observation: nothing happens. " * 300 + "FINAL LINE"
+    ids, used = C.encode_prompt(tok, text, 256)
+    assert len(C.encode_prompt(tok, text, 10_000)[0]) > 256 and len(ids) <= 256 and used != text
+    decoded = tok.decode(ids)
+    assert decoded.startswith("<|im_start|>user\nYour task is to: put a mug") and "[...]" in decoded
+    assert decoded.endswith("FINAL LINE<|im_end|>\n<|im_start|>assistant\n")
+    assert ids == C.chat_ids(tok, used)  # the returned text is exactly what was encoded
+    assert C.encode_prompt(tok, "short", 256) == (C.chat_ids(tok, "short"), "short")
+
 
 def test_left_padded_scoring_matches_unpadded_forward():
     """ℓ(a_ℓ | h, a_<ℓ) from a padded micro-batch equals a lone unpadded forward of the same sequence."""

@@ -33,7 +33,7 @@ def tok():
 
 def play(env, tok, responses):
     """Turn raw response texts into a real Trajectory with real token ids from the real tokenizer."""
-    tr = C.Trajectory(env_task_id(env), 0, env.task, env.family)
+    tr = C.Trajectory(env_task_id(env), 0, env.task, env.family, env.observation)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     for text in responses:
         if callable(text):
@@ -98,7 +98,7 @@ def run_update(d, tok, batch, sgd=False, **kw):
     trajs, skills = batch
     mine = [(tr, s) for tr, s in zip(trajs, skills) if tr.group % d.world == d.rank]  # whole groups per rank
     samples, adv = seed.build_samples([tr for tr, _ in mine], [s for _, s in mine], tok, args)
-    policy = C.shard(C.load_model("tiny", 0), d, bf16=False)
+    policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
     ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
         torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -130,10 +130,12 @@ def test_update_on_expert_trajectories(d, tok, batch):
     assert 0 < row["opd/gate_mean"] < 1 and row["opd/gate_std"] > 0
     assert row["losses/kl"] == pytest.approx(0.0, abs=1e-6)  # θ = π_ref before the step
     assert row["train/grad_norm"] > 0
-    # every teacher prompt is H(h, s) and the response ids are shared by both branches
-    for s in samples:
-        if s.teacher_ids:
-            assert len(s.teacher_ids) > len(s.prompt_ids)
+    # every teacher prompt is the chat-templated H(h, s) of exactly the prompt the student saw
+    turns = [t for tr in batch[0] for t in tr.turns]
+    skills = [sk for tr, sk in zip(*batch) for _ in tr.turns]
+    for s, turn, sk in zip(samples, turns, skills):
+        assert s.prompt_ids == turn.prompt_ids and s.response_ids == turn.response_ids
+        assert s.teacher_ids == (C.chat_ids(tok, seed.inject_skill(turn.prompt_text, sk)) if sk else None)
 
 
 def test_pg_loss_at_first_minibatch_equals_token_weighted_advantage(d, tok, batch):
@@ -150,6 +152,48 @@ def test_lambda_opd_zero_is_grpo_exactly(d, tok, batch):
     _, p_seed, _, _ = run_update(d, tok, batch, lambda_opd=0.01)
     assert all(torch.equal(p_zero[k], p_noskill[k]) for k in p_zero)  # both are GRPO
     assert any(not torch.equal(p_zero[k], p_seed[k]) for k in p_zero)  # OPD moves the weights
+
+
+def test_lambda_opd_zero_matches_an_independent_grpo_step(d, tok, batch):
+    """The λ_opd = 0 update, recomputed here from scratch on an unsharded model in one batch: ρ = exp(ℓ − ℓ_old),
+    −min(ρA, clip(ρ)A) + 0.01·k3-KL to π_ref (= the initial weights), token mean, clip to norm 1, SGD step."""
+    _, got, samples, _ = run_update(d, tok, batch, sgd=True, lambda_opd=0.0)
+    model = C.load_model("tiny", 0)
+    P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    with torch.no_grad():
+        old, _ = C.sequence_logprobs(model, P, R, "cpu")
+    logp, mask = C.sequence_logprobs(model, P, R, "cpu")
+    adv = torch.tensor([s.adv for s in samples])[:, None]
+    ratio = torch.exp(logp - old)
+    surrogate = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    r = old - logp
+    loss = ((surrogate + 0.01 * (torch.exp(r) - r - 1)) * mask).sum() / mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with torch.no_grad():
+        want = {k: v - (v.grad if v.grad is not None else 0) for k, v in model.named_parameters()}
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+    assert max(v.grad.abs().max().item() for v in model.parameters()) > 1e-4  # a real step, not a no-op
+
+
+def test_teacher_branch_uses_the_current_weights_in_every_minibatch(d, tok, batch, monkeypatch):
+    """Alg. 1 l.22: ℓ_skill is re-scored with the current θ inside each mini-batch, not cached at θ_old."""
+    seen, real = [], seed.skill_branch
+
+    def spy(policy, rows, responses, d_):
+        full = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in policy.state_dict().values()]
+        seen.append(sum(v.double().sum().item() for v in full))
+        return real(policy, rows, responses, d_)
+    monkeypatch.setattr(seed, "skill_branch", spy)
+    row, _, _, _ = run_update(d, tok, batch, minibatch_turns=8, micro_batch=64)
+    assert row["train/minibatches"] >= 3 and len(seen) == row["train/minibatches"]
+    assert len(set(seen)) == len(seen)  # the weights differ at every teacher forward
+
+
+def test_activation_checkpointing_gives_the_same_update(d, tok, batch):
+    _, a, _, _ = run_update(d, tok, batch, sgd=True)
+    _, b, _, _ = run_update(d, tok, batch, sgd=True, grad_ckpt=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
 def test_microbatching_does_not_change_the_update(d, tok, batch):
