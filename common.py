@@ -575,6 +575,11 @@ def split_even(indices: list[int], parts: int) -> list[list[int]]:
     return [indices[i::parts] for i in range(parts)]
 
 
+def arg(default, help: str):
+    """An Args field with its help line."""
+    return field(default=default, metadata={"help": help})
+
+
 def parse_args(cls):
     """A typed dataclass -> argparse CLI (`--field value`; booleans are `--flag` / `--no-flag`), CleanRL style."""
     import argparse

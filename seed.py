@@ -43,16 +43,13 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 import common as C
 import envs
-
-
-def arg(default, help: str):
-    return field(default=default, metadata={"help": help})
+from common import arg
 
 
 @dataclass
@@ -397,22 +394,18 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
 
 
-def static_library(path: str):
-    """Ablation 'w/o on-policy skill': skills written at stage 1, looked up by (family, outcome)."""
+def static_library(path: str) -> dict[tuple, list[str]]:
+    """Ablation 'w/o on-policy skill': the stage-1 skills, looked up by (task family, outcome)."""
     lib: dict[tuple, list[str]] = {}
-    file = os.path.join(path, "skills.jsonl")
-    for line in open(file) if os.path.exists(file) else []:
+    for line in open(os.path.join(path, "skills.jsonl")):
         x = json.loads(line)
         lib.setdefault((x["family"], x["won"]), []).append(x["skill"])
     return lib
 
 
 def library_skills(trajs, lib, rng) -> list[str | None]:
-    picks = []
-    for tr in trajs:
-        pool = lib.get((tr.family, tr.won)) or lib.get((tr.family, not tr.won)) or []
-        picks.append(rng.choice(pool) if pool else None)
-    return picks
+    pools = [lib.get((tr.family, tr.won)) or lib.get((tr.family, not tr.won)) for tr in trajs]
+    return [rng.choice(pool) if pool else None for pool in pools]
 
 
 def main(args: Args):

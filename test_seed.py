@@ -318,6 +318,14 @@ def test_seed_end_to_end_single_process_with_http_annotator(tmp_path):
     lib = [json.loads(x) for x in open(tmp_path / "stage1" / "skills.jsonl")]
     assert len(lib) == rows[0]["sft/examples"]
     assert rows[1]["skills/valid_rate"] > 0  # the static library supplies skills to stage 2
+    # the saved checkpoint is a valid --model: HF directory path for weights and tokenizer (the GPU code path)
+    again = [sys.executable, str(HERE / "seed.py"), "--model", str(tmp_path / "final"), "--skip_sft",
+             "--out_dir", str(tmp_path / "again"), "--updates", "1", "--tasks_per_update", "1", "--group_size", "2",
+             "--max_response_len", "16", "--max_steps", "2", "--eval_tasks", "1", "--annotator_max_tokens", "16"]
+    res = subprocess.run(again, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = [json.loads(line) for line in open(tmp_path / "again" / "metrics.jsonl")]
+    assert row["charts/episode_length"] <= 2 and row["charts/response_tokens"] <= 16
 
 
 def test_seed_end_to_end_torchrun_two_ranks_one_idle(tmp_path):
