@@ -115,6 +115,8 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollou
 
 
 def resolve(args: Args) -> Args:
+    if args.env not in PAPER:
+        raise SystemExit(f"--env must be one of {sorted(PAPER)}, got {args.env!r}")
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     preset = TINY if args.model == "tiny" else PAPER[args.env]
