@@ -1,0 +1,588 @@
+"""OPID: On-Policy skill Distillation for agentic RL (paper: ../shared/papers/opid.txt).
+
+Each update (Alg. 1): θ_old plays N rollouts per task; an analyzer turns every finished trajectory into one
+episode-level skill (a workflow for a success, an avoidance rule for a failure) and step-level skills for a few
+critical steps C_τ (§3.2); critical-first routing gives each step its step skill if t ∈ C_τ, else the episode
+skill (§3.3); θ_old re-scores the SAME response tokens with and without the routed skill injected, and the
+log-prob shift is a dense token advantage added to the group-relative episode advantage (§3.4):
+    A_OPID = (R − μ)/σ · m + λ_skill (ℓ_skill − ℓ_old) · m,
+optimised with the clipped PPO objective (clipping applied AFTER combining) + β·KL to π_ref.
+
+Run:
+  python opid.py                                           # embedded `household` env + offline tiny model, CPU
+  torchrun --nproc_per_node 2 opid.py                      # the same with 2 FSDP ranks (gloo)
+  torchrun --nproc_per_node 8 opid.py --env alfworld --analyzer_url http://HOST:8000/v1 --analyzer_model glm-5.2
+  torchrun --nproc_per_node 8 opid.py --env search --retriever_url http://127.0.0.1:8000/retrieve --analyzer_url ...
+Ablations: --skill_mode episode_only | step_only (Table 2), --skill_mode additive (Table 3: episode skill at every
+  step plus the step skill at critical steps), --lambda_skill 0 (plain GRPO; the analyzer is not called).
+
+Deviations / choices:
+  * Without --analyzer_url the analyzer is θ_old itself (the paper uses GLM-5.2 at T = 0.4, ≤ 4096 tokens).
+  * The analyzer replies with JSON {"episode_skill": str, "step_skills": {"<0-based step>": str}} (the official
+    code's schema). parse_analysis accepts fenced JSON, prose around the object, trailing commas, a nested object,
+    int or "step 3" keys and a list of {"step", "skill"} items. A reply without a non-empty episode skill gets one
+    retry that quotes the problem (official code: 2 attempts); then the trajectory has no skill signal.
+    Step skills with an index outside 0..T−1 (the candidates: the trajectory's own steps), an unreadable key, an
+    empty or non-string skill, or a repeated index are dropped; beyond `max_critical` the analyzer's first ones
+    in the order written are kept (the official rule). Every outcome is counted in metrics (analyzer/*).
+  * H(h, s) inserts the episode skill right after the task line and the step skill right before the
+    "Now it's your turn" line of the agent prompt (official OPID code); in additive mode both. If an anchor is
+    missing (prompt truncated), the episode block is prepended / the step block appended, and counted. Each skill
+    is cut to `skill_max_tokens`; the teacher prompt's limit is max_prompt_len + room for the blocks, so the
+    student context inside it is never truncated further.
+  * A_ep = (R − μ)/σ with the population std, as §3.4 writes (no ε; |A_ep| ≤ sqrt(N − 1) whenever σ > 0).
+    A tied group (σ = 0) gets A_ep = 0 exactly. The official code instead normalises over all step-samples of a
+    group (longer trajectories weigh more) and uses an unbiased std, a dual clip (c = 3) and an entropy bonus;
+    we follow the paper (DESIGN.md §6b).
+  * ℓ_old and ℓ_skill are scored once per update by the training model before any step (θ = θ_old then), so
+    A_OPID is fixed during the mini-batch loop; λ_skill defaults to 0.001 (official scripts; both skill levels).
+  * The loss is a token mean over the mini-batch's valid tokens (all ranks); KL is the k3 estimator to π_ref
+    (the base model), β = 0.01 (0.001 for Search).
+  * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (B.4 / official scripts).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import common as C
+import envs
+from common import arg
+
+MODES = ("critical_first", "episode_only", "step_only", "additive")
+
+
+@dataclass
+class Args:
+    """OPID (B.4 / official scripts; fields left at None take the per-env paper value, or the tiny preset)."""
+    env: str = arg("household", "household (embedded) | alfworld | search")
+    model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
+    data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
+    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
+    out_dir: str = arg("runs/opid", "metrics.jsonl and checkpoints go here")
+    seed: int = arg(0, "random seed")
+    # Analyzer (§3.2, B.4)
+    analyzer_url: str | None = arg(None, "OpenAI-compatible base URL of the analyzer (default: θ_old analyzes)")
+    analyzer_model: str = arg("glm-5.2", "model name sent to the analyzer endpoint")
+    analyzer_temperature: float = arg(0.4, "analyzer sampling temperature (paper 0.4)")
+    analyzer_max_tokens: int | None = arg(None, "analyzer max new tokens (paper 4096)")
+    analyzer_retries: int = arg(1, "extra attempts for a reply without a usable JSON analysis")
+    max_critical: int | None = arg(None, "max critical steps |C_τ| (paper 5 ALFWorld/WebShop, 2 Search)")
+    skill_mode: str = arg("critical_first", "critical_first | episode_only | step_only | additive")
+    skill_max_tokens: int = arg(256, "each skill is cut to this many tokens before injection")
+    # RL (B.4, Table 6)
+    updates: int | None = arg(None, "policy updates (paper 150)")
+    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)")
+    group_size: int | None = arg(None, "N rollouts per task (paper 8)")
+    lr: float = arg(1e-6, "learning rate (paper 1e-6)")
+    weight_decay: float = arg(0.01, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)")
+    beta_kl: float | None = arg(None, "KL coefficient β (0.01; 0.001 for Search)")
+    lambda_skill: float = arg(0.001, "λ_skill (official scripts 0.001); 0 = plain GRPO")
+    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
+    max_response_len: int | None = arg(None, "response tokens (paper 512)")
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search)")
+    temperature: float = arg(1.0, "rollout sampling temperature")
+    top_p: float = arg(1.0, "rollout nucleus sampling")
+    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
+    micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
+    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
+    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
+    eval_every: int | None = arg(None, "validate every k updates (and after the last)")
+    eval_tasks: int | None = arg(None, "held-out tasks per validation")
+    eval_split: str = arg("valid_seen", "valid_seen | valid_unseen (ALFWorld's out-of-distribution split)")
+    eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
+    save_every: int = arg(50, "save an HF checkpoint every k updates (and after the last)")
+
+
+PAPER = {  # B.4, Table 6, official scripts
+    "alfworld": dict(updates=150, tasks_per_update=16, group_size=8, max_prompt_len=2048, max_response_len=512,
+                     max_steps=30, analyzer_max_tokens=4096, max_critical=5, beta_kl=0.01, micro_batch=8,
+                     eval_every=10, eval_tasks=140),
+    "search": dict(updates=150, tasks_per_update=128, group_size=8, max_prompt_len=4096, max_response_len=512,
+                   max_steps=4, analyzer_max_tokens=4096, max_critical=2, beta_kl=0.001, micro_batch=8,
+                   eval_every=10, eval_tasks=500),
+}
+PAPER["household"] = PAPER["alfworld"]
+TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
+            analyzer_max_tokens=64, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps, paper K and β
+
+
+def resolve(args: Args) -> Args:
+    if args.env not in PAPER:
+        raise SystemExit(f"--env must be one of {sorted(PAPER)}, got {args.env!r}")
+    if args.skill_mode not in MODES:
+        raise SystemExit(f"--skill_mode must be one of {MODES}, got {args.skill_mode!r}")
+    if args.model is None:
+        args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
+    if args.model == "tiny":
+        for k, v in TINY.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        if args.max_steps is None:  # the tiny preset: at most 6 steps per episode
+            args.max_steps = min(6, PAPER[args.env]["max_steps"])
+    for k, v in PAPER[args.env].items():  # the rest (|C_τ| max, β) are the paper's also for the tiny model
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available()
+    if args.grad_ckpt is None:
+        args.grad_ckpt = torch.cuda.is_available()
+    return args
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The equations, as small functions
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def episode_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """§3.4 / Alg. 1 l.8-10: A_ep = (R − μ_q)/σ_q, σ the population std of the group. rewards: [groups, N].
+    A tied group (σ = 0: nothing to prefer) gets exactly 0 instead of 0/0; float32 R − μ of eight 0.9s is ~1e-8,
+    not 0, so ties are detected on the rewards themselves."""
+    mu = rewards.mean(dim=1, keepdim=True)
+    sigma = rewards.std(dim=1, unbiased=False, keepdim=True)
+    tied = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return ((rewards - mu) / sigma.masked_fill(tied, 1.0)).masked_fill(tied, 0.0)
+
+
+def opid_advantages(a_ep, old_logp, skill_logp, mask, has_skill, lambda_skill: float):
+    """§3.3-3.4 / Alg. 1 l.20-22, per token. a_ep: [B] trajectory advantages; old_logp, skill_logp, mask: [B, R];
+    has_skill: [B, 1] (0 where the step got no routed skill: no skill signal there).
+      A_skill = (ℓ_skill − ℓ_old)·m,  A_ep = A_ep·m,  A_OPID = A_ep + λ_skill·A_skill.
+    Returns (A_OPID, A_ep, A_skill), all [B, R]; λ_skill = 0 returns A_ep itself (GRPO exactly)."""
+    a_ep_tok = a_ep[:, None] * mask
+    a_skill = (skill_logp - old_logp) * mask * has_skill
+    if lambda_skill == 0:
+        return a_ep_tok, a_ep_tok, a_skill
+    return a_ep_tok + lambda_skill * a_skill, a_ep_tok, a_skill
+
+
+def opid_loss(logp, old_logp, ref_logp, adv, mask, clip_eps: float, beta_kl: float, denom=None):
+    """§3.4 / Alg. 1 l.28-30: −E[min(ρ A_OPID, clip(ρ, 1±ε) A_OPID)] + β·KL, ρ = exp(ℓ_θ − ℓ_old), masked means over
+    valid tokens (`denom`: the mini-batch's token count). Clipping sees the COMBINED advantage. Returns (loss, pg, kl)."""
+    pg = C.masked_mean(C.clipped_surrogate(logp, old_logp, adv, clip_eps), mask, denom)
+    kl = C.masked_mean(C.kl_k3(logp, ref_logp), mask, denom)
+    return pg + beta_kl * kl, pg, kl
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Hierarchical skill extraction (§3.2): the trajectory record, the analyzer and its JSON
+# ------------------------------------------------------------------------------------------------------------------
+
+ANALYZER_INSTRUCTIONS = """You are reviewing the finished attempt of an agent above. Extract hindsight skills from it.
+1. episode_skill: one or two sentences for the whole episode. If the attempt succeeded, describe the reusable
+   workflow that solved it; if it failed, state a rule that would have avoided the failure. Keep it general
+   (no object numbers), grounded in what actually happened.
+2. step_skills: only for the few decisive steps (at most {k}) where the outcome hinged on one choice, e.g. a
+   repeated or invalid action, the wrong object or place, a missed subgoal, stopping too early or too late.
+   Key each by its 0-based step number; the value is one short imperative instruction for that decision.
+Reply with a single JSON object and nothing else:
+{{"episode_skill": "...", "step_skills": {{"<step>": "...", ...}}}}"""
+
+
+def trajectory_record(traj: C.Trajectory, text_chars: int = 400) -> str:
+    """§3.2 / B.4: the ordered record: task, per 0-based step the observation, the response, the action and the
+    environment's feedback (reward, validity), the final observation and the outcome."""
+    lines = [f"Task: {traj.task}", f"Outcome: {'success' if traj.won else 'failure'} "
+             f"(return {traj.reward:.2f} after {len(traj.turns)} steps)", "Trajectory (steps are 0-based):"]
+    obs = traj.first_observation
+    for t, turn in enumerate(traj.turns):
+        action = turn.action if turn.valid else "INVALID (not an admissible, well-formed action)"
+        lines += [f"[Step {t}]", f"Observation: {obs[:text_chars]}", f"Response: {turn.response_text[:text_chars]}",
+                  f"Action: {action}", f"Feedback: reward {turn.reward:g}"]
+        obs = turn.observation
+    lines.append(f"Final observation: {obs[:text_chars]}")
+    return "\n".join(lines)
+
+
+def analyzer_prompt(traj: C.Trajectory, max_critical: int) -> str:
+    return trajectory_record(traj) + "\n\n" + ANALYZER_INSTRUCTIONS.format(k=max_critical)
+
+
+def retry_prompt(first_prompt: str, reply: str | None, problem: str) -> str:
+    return (f"{first_prompt}\n\nYour previous reply could not be used ({problem}). It ended with:\n"
+            f"{(reply or '')[-500:]}\nReply again with only the JSON object.")
+
+
+@dataclass
+class Analysis:
+    episode: str                                          # s^ep_τ
+    steps: dict[int, str] = field(default_factory=dict)   # {t: s^step_τ,t} for t ∈ C_τ
+
+
+FENCE_RE = re.compile(r"```(?:json)?\s*(.*?)```", re.S | re.I)
+TRAILING_COMMA_RE = re.compile(r",(\s*[}\]])")
+STEP_KEY_RE = re.compile(r"\s*(?:step[\s_-]*)?(-?\d{1,30})\s*", re.I)
+EPISODE_KEYS, STEP_KEYS = ("episode_skill", "episode"), ("step_skills", "steps", "critical_steps")
+
+
+def _pick(obj: dict, keys) -> object:
+    low = {str(k).lower(): v for k, v in obj.items()}
+    return next((low[k] for k in keys if k in low), None)
+
+
+def _skill_object(obj, depth: int = 0) -> dict | None:
+    """The (possibly nested) dict that carries an episode skill."""
+    if isinstance(obj, dict):
+        if _pick(obj, EPISODE_KEYS) is not None:
+            return obj
+        children = list(obj.values())
+    elif isinstance(obj, list):
+        children = obj
+    else:
+        return None
+    for child in children if depth < 3 else []:
+        found = _skill_object(child, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def find_json_object(text: str, max_starts: int = 64) -> dict | None:
+    """The first JSON object carrying an episode skill: fenced blocks first, then the whole text, trying each '{'
+    (bounded) as a start, as written and with trailing commas removed. Never raises."""
+    decoder = json.JSONDecoder()
+    for source in FENCE_RE.findall(text) + [text]:
+        for m in list(re.finditer(r"\{", source))[:max_starts]:
+            for candidate in (source[m.start():], TRAILING_COMMA_RE.sub(r"\1", source[m.start():])):
+                try:
+                    obj, _ = decoder.raw_decode(candidate)
+                except (ValueError, RecursionError):
+                    continue
+                found = _skill_object(obj)
+                if found is not None:
+                    return found
+    return None
+
+
+def _clean(skill) -> str | None:
+    if not isinstance(skill, str):
+        return None
+    return " ".join(skill.split()) or None
+
+
+def _step_index(key) -> int | None:
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key
+    m = STEP_KEY_RE.fullmatch(key) if isinstance(key, str) else None
+    return int(m.group(1)) if m else None
+
+
+def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[Analysis | None, Counter]:
+    """A(τ) = (s^ep_τ, {s^step_τ,t}_{t ∈ C_τ}) from an analyzer reply. Returns (analysis or None, event counts).
+    None when there is no JSON object with a non-empty episode skill. Step skills are dropped when the index is not
+    one of the trajectory's steps 0..n_steps−1 (out_of_range) or unreadable (bad_key), the skill is empty or not a
+    string (bad_skill), or the index repeats (duplicate); past `max_critical` the rest are cut (truncated)."""
+    events = Counter()
+    obj = find_json_object(text or "")
+    episode = _clean(_pick(obj, EPISODE_KEYS)) if obj is not None else None
+    if episode is None:
+        events["no_json" if obj is None else "no_episode_skill"] += 1
+        return None, events
+    raw = _pick(obj, STEP_KEYS)
+    if isinstance(raw, dict):
+        items = list(raw.items())
+    elif isinstance(raw, list):
+        items = [(x.get("step", x.get("index")), x.get("skill")) if isinstance(x, dict) else (None, None) for x in raw]
+    else:
+        items = []
+        events["bad_step_skills"] += raw is not None
+    steps: dict[int, str] = {}
+    for key, skill in items:
+        t = _step_index(key)
+        event = ("bad_key" if t is None else "out_of_range" if not 0 <= t < n_steps
+                 else "bad_skill" if _clean(skill) is None else "duplicate" if t in steps
+                 else "truncated" if len(steps) >= max_critical else None)
+        if event:
+            events[event] += 1
+        else:
+            steps[t] = _clean(skill)
+    events["critical_steps"] += len(steps)
+    return Analysis(episode, steps), events
+
+
+def analyze(trajs, engine, args, client=None) -> tuple[list[Analysis | None], Counter]:
+    """A(τ) for every trajectory (Alg. 1 l.12): an external endpoint if given, else θ_old itself; one bounded retry
+    for replies without a usable analysis, then the trajectory gets no skill signal (counted as `failed`)."""
+    first = [analyzer_prompt(tr, args.max_critical) for tr in trajs]
+    prompts, results, events, pending = list(first), [None] * len(trajs), Counter(), list(range(len(trajs)))
+    for attempt in range(1 + args.analyzer_retries):
+        if not pending:
+            break
+        events["requests"] += len(pending)
+        batch = [prompts[i] for i in pending]
+        if client is not None:
+            replies = client.complete_many(batch, args.analyzer_temperature, args.analyzer_max_tokens)
+        else:
+            replies = engine.generate_text(batch, 2 * args.max_prompt_len, args.analyzer_max_tokens,
+                                           args.analyzer_temperature)
+        still = []
+        for i, reply in zip(pending, replies):
+            analysis, ev = parse_analysis(reply, len(trajs[i].turns), args.max_critical)
+            events += ev
+            if analysis is None:
+                problem = "no reply" if reply is None else "no JSON object" if ev["no_json"] else "empty episode_skill"
+                prompts[i] = retry_prompt(first[i], reply, problem)
+                still.append(i)
+            else:
+                results[i] = analysis
+        pending = still
+    events["failed"] += len(pending)
+    return results, events
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Critical-first routing and the injection function H (§3.3)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def route_skills(analysis: Analysis | None, n_steps: int, mode: str = "critical_first"):
+    """s_τ,t per step as (episode skill or None, step skill or None).
+    critical_first (Eq. in §3.3): s^step_τ,t if t ∈ C_τ else s^ep_τ; q_step = 1 ⇒ q_ep = 0 (exclusive masks).
+    episode_only / step_only: the Table 2 ablations (w/o step skills / w/o episode skills: nothing off C_τ).
+    additive: the Table 3 ablation: s^ep_τ at every step, plus s^step_τ,t at t ∈ C_τ."""
+    if analysis is None:
+        return [(None, None)] * n_steps
+    out = []
+    for t in range(n_steps):
+        step = analysis.steps.get(t) if mode != "episode_only" else None
+        episode = analysis.episode if mode != "step_only" else None
+        if mode == "critical_first" and step is not None:
+            episode = None
+        out.append((episode, step))
+    return out
+
+
+EPISODE_HEADER = "Hindsight skill for this episode (from a completed attempt):"
+STEP_HEADER = "Hindsight skill for this step (a critical decision):"
+
+
+def inject_skill(prompt_text: str, episode: str | None = None, step: str | None = None) -> tuple[str, int]:
+    """H(h, s): the episode block goes right after the task line, the step block right before the "your turn"
+    line; nothing else changes. Returns (text, number of missing anchors: blocks prepended/appended instead)."""
+    text, missing = prompt_text, 0
+    if step:
+        block = f"{STEP_HEADER}\n{step}\n\n"
+        at = text.rfind(envs.TURN_PREFIX)
+        if at < 0:
+            at, block, missing = len(text), "\n\n" + block.rstrip("\n"), missing + 1
+        text = text[:at] + block + text[at:]
+    if episode:
+        block = f"\n\n{EPISODE_HEADER}\n{episode}"
+        task = text.find(envs.TASK_PREFIX)
+        end = text.find("\n\n", task) if task >= 0 else -1
+        if task < 0:
+            end, block, missing = 0, block.lstrip("\n") + "\n\n", missing + 1
+        elif end < 0:
+            end = len(text)
+        text = text[:end] + block + text[end:]
+    return text, missing
+
+
+def cut_skill(tok, skill: str | None, max_tokens: int) -> str | None:
+    if not skill:
+        return skill
+    ids = tok(skill, add_special_tokens=False)["input_ids"]
+    return skill if len(ids) <= max_tokens else tok.decode(ids[:max_tokens])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One OPID update (Alg. 1 l.3-31)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]           # h_τ,t (chat-templated), as the policy saw it
+    response_ids: list[int]         # y_τ,t, the sampled tokens, never re-tokenized
+    teacher_ids: list[int] | None   # H(h_τ,t, s_τ,t), None when the step has no routed skill
+    a_ep: float                     # A^ep_τ
+    route: str                      # "step", "episode", "both" (additive at C_τ) or "none"
+
+
+def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tensor, Counter]:
+    """Alg. 1 l.8-16: group advantages, routing and the skill-augmented context of every step."""
+    groups = sorted({tr.group for tr in trajs})  # may be empty: a rank with no task this update
+    rewards = torch.tensor([[tr.reward for tr in trajs if tr.group == g] for g in groups]) if groups \
+        else torch.zeros(0, args.group_size)
+    adv = episode_advantages(rewards)
+    members = {g: [tr for tr in trajs if tr.group == g] for g in groups}
+    adv_of = {id(tr): adv[gi, n].item() for gi, g in enumerate(groups) for n, tr in enumerate(members[g])}
+    teacher_len = args.max_prompt_len + 2 * args.skill_max_tokens + 64  # room for both blocks and their headers
+    samples, counts = [], Counter()
+    for tr, analysis in zip(trajs, analyses):
+        for turn, (ep, st) in zip(tr.turns, route_skills(analysis, len(tr.turns), args.skill_mode)):  # l.15
+            ep, st = cut_skill(tok, ep, args.skill_max_tokens), cut_skill(tok, st, args.skill_max_tokens)
+            teacher = None
+            if ep or st:                                                                              # l.16
+                text, missing = inject_skill(turn.prompt_text, ep, st)
+                teacher = C.encode_prompt(tok, text, teacher_len)[0]
+                counts["anchor_fallbacks"] += missing
+            route = "both" if ep and st else "step" if st else "episode" if ep else "none"
+            counts[route] += 1
+            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)], route))
+    return samples, adv, counts
+
+
+def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
+    """Alg. 1 l.18-19 (and π_ref for the KL term): ℓ_old, ℓ_ref and ℓ_skill of the same response ids, once, before
+    any parameter update (θ = θ_old). Returns three lists of 1-D CPU tensors (ℓ_skill = ℓ_old where no skill)."""
+    P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    with timer("scoring"):
+        old = C.score(policy, P, R, args.micro_batch, d.device)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device) if args.beta_kl > 0 else [torch.zeros(len(r)) for r in R]
+    skill = list(old)
+    if args.lambda_skill > 0:
+        rows = [i for i, s in enumerate(samples) if s.teacher_ids]
+        with timer("teacher"):
+            scored = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch,
+                             d.device)
+        for i, lp in zip(rows, scored):
+            skill[i] = lp
+    return old, ref_lp, skill
+
+
+def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
+    """Paired scoring, A_OPID, then one epoch of mini-batches of the clipped objective (Alg. 1 l.18-31)."""
+    old, ref_lp, skill = paired_scores(policy, ref, samples, args, d, timer)
+    R = [s.response_ids for s in samples]
+    # Alg. 1 l.20-22 for every sample at once (rows right-padded to the longest response)
+    width = max((len(r) for r in R), default=1)
+    mask = torch.tensor([[float(j < len(r)) for j in range(width)] for r in R]).reshape(-1, width)
+    pad = lambda rows: C.pad_right(rows, "cpu") if rows else torch.zeros(0, width)  # noqa: E731
+    has = torch.tensor([float(s.teacher_ids is not None) for s in samples]).reshape(-1, 1)
+    a_opid, a_ep, a_skill = opid_advantages(torch.tensor([s.a_ep for s in samples]).reshape(-1), pad(old), pad(skill),
+                                            mask, has, args.lambda_skill)
+    adv = [a_opid[i, :len(r)] for i, r in enumerate(R)]
+    sums = Counter(ep_abs=a_ep.abs().sum().item(), skill_abs=(args.lambda_skill * a_skill).abs().sum().item(),
+                   delta=a_skill.sum().item(), delta_abs=a_skill.abs().sum().item(),
+                   skill_tokens=(mask * has).sum().item())
+    order = list(range(len(samples)))
+    random.shuffle(order)  # `random` is seeded per rank in init_distributed
+    n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
+    norms = []
+    with timer("update"):
+        for mb in [order[i::n_mb] for i in range(n_mb)]:
+            n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # valid tokens of the whole mini-batch
+            for idx in C.pad_chunks(C.chunk(mb, args.micro_batch), d.device):
+                scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
+                p = [samples[i].prompt_ids for i in idx] or [C.DUMMY[0]]
+                r = [R[i] for i in idx] or [C.DUMMY[1]]
+                logp, mask = C.sequence_logprobs(policy, p, r, d.device)                 # ℓ_θ, with gradient
+                rows = lambda xs: C.pad_right([xs[i] for i in idx] or [torch.zeros(1)], d.device)  # noqa: E731
+                loss, pg, kl = opid_loss(logp, rows(old), rows(ref_lp), rows(adv), mask, args.clip_eps,
+                                         args.beta_kl, n_tok)                              # l.29-30
+                (loss * scale).backward()
+                sums["pg"] += pg.item() * bool(idx)
+                sums["kl"] += kl.item() * bool(idx)
+                sums["tokens"] += mask.sum().item() * bool(idx)
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))              # l.31
+    keys = sorted(sums)
+    tot = Counter(dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device))))
+    n_tok, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
+    return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb,
+            "losses/total": (tot["pg"] + args.beta_kl * tot["kl"]) / n_mb,
+            "adv/episode_abs": tot["ep_abs"] / n_tok,          # Fig. 8: mean |A_ep| over valid tokens
+            "adv/skill_abs": tot["skill_abs"] / n_tok,         # Fig. 8: mean |λ_skill A_skill| over valid tokens
+            "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
+            "skill/token_frac": tot["skill_tokens"] / n_tok,
+            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
+
+
+def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, endpoint_failures: int, d) -> dict:
+    """analyzer/*: what happened to every reply (counts over all ranks); skills/*: Fig. 7 and the routing split."""
+    keys = ["requests", "failed", "no_json", "no_episode_skill", "bad_step_skills", "bad_key",
+            "out_of_range", "bad_skill", "duplicate", "truncated", "critical_steps"]
+    route_keys = ["step", "episode", "both", "none", "anchor_fallbacks"]
+    vals = C.global_sum([events[k] for k in keys] + [routes[k] for k in route_keys] +
+                        [len(trajs), sum(a is not None for a in analyses), endpoint_failures],
+                        d.device)
+    ev, rt = dict(zip(keys, vals[:len(keys)])), dict(zip(route_keys, vals[len(keys):-3]))
+    n_traj, n_ok, endpoint_failures = vals[-3:]
+    n_turns = max(sum(rt[k] for k in ("step", "episode", "both", "none")), 1)
+    out = {f"analyzer/{k}": v for k, v in ev.items() if k != "critical_steps"}
+    out.update({"analyzer/endpoint_failures": endpoint_failures, "analyzer/parsed_frac": n_ok / max(n_traj, 1),
+                "skills/critical_per_traj": ev["critical_steps"] / max(n_ok, 1),
+                "skills/anchor_fallbacks": rt["anchor_fallbacks"],
+                **{f"skills/route_{k}_frac": rt[k] / n_turns for k in ("step", "episode", "both", "none")}})
+    return out
+
+
+def main(args: Args):
+    args = resolve(args)
+    d = C.init_distributed(args.seed)
+    tok = C.load_tokenizer(args.model)
+    env_kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps)
+    if args.retriever_url:
+        env_kw["retriever_url"] = args.retriever_url
+    train_ids = envs.make_env(args.env, split="train", **env_kw).task_ids()
+    valid_ids = envs.make_env(args.env, split=args.eval_split, **env_kw).task_ids()
+    valid_ids = random.Random(args.seed).sample(valid_ids, min(args.eval_tasks, len(valid_ids)))
+    make_train = lambda: envs.make_env(args.env, split="train", **env_kw)  # noqa: E731
+    make_valid = lambda: envs.make_env(args.env, split=args.eval_split, **env_kw)  # noqa: E731
+    metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates, "opid")
+    if d.main:
+        with open(os.path.join(args.out_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=1)
+    client = C.ChatClient(args.analyzer_url, args.analyzer_model, os.environ.get("OPENAI_API_KEY", "")) \
+        if args.analyzer_url else None
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)   # π_θ
+    ref = C.shard(C.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref, frozen
+    engine = C.HFEngine(C.load_model(args.model, args.seed, dtype), tok, d.device)                 # rollout copy
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    for update in range(args.updates):
+        timer, t0 = C.Timer(), time.perf_counter()
+        with timer("sync"):
+            engine.sync(policy)                                                      # Alg. 1 l.3: θ_old ← θ
+        tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.4
+        with timer("rollout"):                                                       # l.7: G_q ~ π_θold
+            trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
+                                      args.max_response_len, args.temperature, args.top_p)
+        failures_before = client.failures if client else 0
+        with timer("analysis"):                                                      # l.12: A(τ)
+            if args.lambda_skill == 0:  # plain GRPO: skills would be unused
+                analyses, events = [None] * len(trajs), Counter()
+            else:
+                analyses, events = analyze(trajs, engine, args, client)
+        samples, adv, routes = build_samples(trajs, analyses, tok, args)            # l.8-10, 15-16
+        row = {"update": update, **opid_update(policy, ref, opt, samples, args, d, timer)}  # l.18-31
+        row.update(analysis_metrics(trajs, analyses, events, routes,
+                                    client.failures - failures_before if client else 0, d))
+        n_zero, n_grp = C.global_sum([float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
+        row.update({"adv/tied_group_frac": n_zero / max(n_grp, 1),
+                    "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
+                    "rollout/unterminated_responses": C.global_sum([cstats.unterminated_responses], d.device)[0],
+                    **C.rollout_metrics(trajs, d)})
+        last = update + 1 == args.updates
+        if args.eval_every and ((update + 1) % args.eval_every == 0 or last):
+            engine.sync(policy)
+            with timer("eval"):
+                row.update(C.evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
+                                      args.eval_temperature))
+        if (update + 1) % args.save_every == 0 or last:
+            with timer("save"):
+                C.save_checkpoint(policy, tok, os.path.join(args.out_dir, "final" if last else f"update{update + 1}"),
+                                  d)
+        row.update(timer.as_metrics())
+        row["time/total"] = time.perf_counter() - t0
+        metrics.log(row)
+    metrics.close()
+    C.shutdown()
+
+
+if __name__ == "__main__":
+    main(C.parse_args(Args))
