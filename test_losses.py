@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common as C
+import opid
 import seed
 
 
@@ -178,3 +179,137 @@ def test_left_padded_scoring_matches_unpadded_forward():
             lg = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float().log_softmax(-1)
         ref = lg.gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         assert torch.allclose(logp[i, :len(r)], ref, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- OPID §3.4
+
+def test_opid_episode_advantages_by_hand_no_epsilon_and_ties_zero():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.9, 0.9, 0.9, 0.9], [0.0, 0.0, 0.0, 0.0]])
+    a = opid.episode_advantages(r)
+    assert a[0].tolist() == [1.0, -1.0, -1.0, 1.0]  # μ = 0.5, σ = 0.5 (population std), no ε: exactly ±1
+    s = math.sqrt(0.1875)  # μ = 0.25, σ² = (0.75² + 3·0.25²)/4
+    assert a[1].tolist() == pytest.approx([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s], abs=1e-6)
+    assert a[1, 0].item() == pytest.approx(math.sqrt(3), abs=1e-6)  # the bound sqrt(N − 1) is reached
+    assert a[2].tolist() == [0.0] * 4 and a[3].tolist() == [0.0] * 4  # σ = 0: exactly 0, not NaN
+
+
+def test_opid_token_advantages_by_hand():
+    a_ep = torch.tensor([1.0, -0.5, 2.0])
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0], [-1.0, -1.0, -1.0]])
+    skill = torch.tensor([[-0.5, -2.5, -1.0], [-1.0, -0.25, 0.0], [-7.0, 0.0, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # row 1: one padded token
+    has = torch.tensor([[1.0], [1.0], [0.0]])                                 # row 2: no routed skill
+    a, a_e, a_s = opid.opid_advantages(a_ep, old, skill, mask, has, lambda_skill=0.1)
+    assert a_s.tolist() == [[0.5, -0.5, 2.0], [-0.5, 0.25, 0.0], [0.0, 0.0, 0.0]]
+    assert a_e.tolist() == [[1.0, 1.0, 1.0], [-0.5, -0.5, 0.0], [2.0, 2.0, 2.0]]
+    assert torch.allclose(a, torch.tensor([[1.05, 0.95, 1.2], [-0.55, -0.475, 0.0], [2.0, 2.0, 2.0]]), atol=1e-6)
+    a0, _, _ = opid.opid_advantages(a_ep, old, skill, mask, has, lambda_skill=0.0)
+    assert torch.equal(a0, a_e)  # λ_skill = 0: the GRPO advantage, bit for bit
+
+
+def test_opid_clips_the_combined_advantage():
+    """§3.4 / A.1: PPO clipping acts on A_ep + λA_skill, which is not the sum of separately clipped terms."""
+    old = torch.tensor([[0.0]])
+    logp = old + math.log(1.5)  # ρ = 1.5, outside [0.8, 1.2]
+    combined = torch.tensor([[1.0 - 0.5]])  # A_ep = 1, λA_skill = −0.5
+    loss, pg, kl = opid.opid_loss(logp, old, logp, combined, torch.ones(1, 1), 0.2, 0.01)
+    assert pg.item() == pytest.approx(-min(1.5 * 0.5, 1.2 * 0.5))  # −0.6
+    separate = -min(1.5 * 1, 1.2 * 1) - min(1.5 * -0.5, 1.2 * -0.5)  # −1.2 + 0.75 = −0.45
+    assert abs(pg.item() - separate) > 0.1
+    assert kl.item() == 0.0 and loss.item() == pytest.approx(pg.item())
+
+
+# ---------------------------------------------------------------------------------------------- OPID App. A
+
+def exact_case(seed_=0, contexts=4, vocab=6):
+    """Free categorical logits per context: behaviour b = softmax(z_old), skill teacher q = softmax(z_q)."""
+    g = torch.Generator().manual_seed(seed_)
+    z_old, z_q = torch.randn(contexts, vocab, generator=g), torch.randn(contexts, vocab, generator=g)
+    return z_old, z_q, torch.randn(contexts, vocab, generator=g)
+
+
+def skill_loss_via_code(z, z_old, z_q, lam, clip_eps):
+    """The implemented loss with A_ep = 0 (a tied group), its expectation over i ~ ν_b (uniform over contexts) and
+    a ~ b_i taken EXACTLY: every vocabulary entry is a 'token' weighted by b_i(a)/K in the masked mean."""
+    old, skill, logp = (torch.log_softmax(x, -1) for x in (z_old, z_q, z))
+    K = z.shape[0]
+    adv, _, _ = opid.opid_advantages(torch.zeros(K), old, skill, torch.ones_like(old), torch.ones(K, 1), lam)
+    weights = old.exp() / K
+    _, pg, _ = opid.opid_loss(logp, old, old, adv, weights, clip_eps, 0.0, denom=1.0)
+    return pg
+
+
+def kl_rows(p_logits, q_logits):
+    lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return (lp.exp() * (lp - lq)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("lam", [0.001, 0.5])
+def test_prop1_unclipped_skill_loss_is_lambda_times_rkl_minus_behaviour_kl(lam):
+    """Eq. (4): L_skill^unclip(θ) = λ[L_RKL(θ) − D_b(θ)] at any θ, value and gradient."""
+    z_old, z_q, z_other = exact_case(1)
+    z = (z_old + 0.7 * z_other).requires_grad_(True)  # θ ≠ θ_old
+    loss = skill_loss_via_code(z, z_old, z_q, lam, clip_eps=1e9)  # clip range that never binds: unclipped
+    want = lam * (kl_rows(z, z_q) - kl_rows(z, z_old))
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    (g,), (g_want,) = torch.autograd.grad(loss, z), torch.autograd.grad(want, z)
+    assert torch.allclose(g, g_want, atol=1e-6) and g.abs().max() > 1e-4 * lam
+
+
+def test_prop1_at_theta_old_clipped_loss_value_and_gradient_are_lambda_rkl():
+    """Eq. (5)-(7): at θ = θ_old the implemented (clipped) loss has value λ·L_RKL and gradient λ·∇L_RKL =
+    −λ E[Δ ∇log p]: the clip interval contains ρ = 1."""
+    lam = 0.3
+    z_old, z_q, _ = exact_case(2)
+    z = z_old.clone().requires_grad_(True)
+    loss = skill_loss_via_code(z, z_old, z_q, lam, clip_eps=0.2)
+    rkl = kl_rows(z, z_q)
+    assert loss.item() == pytest.approx(lam * rkl.item(), rel=1e-5)
+    (g,), (g_rkl,) = torch.autograd.grad(loss, z), torch.autograd.grad(rkl, z)
+    assert torch.allclose(g, lam * g_rkl, atol=1e-6)
+    # Eq. (7): −λ Σ_i (1/K) Σ_a b(a) Δ(a) ∇_z log p(a), assembled per token
+    b, delta = torch.softmax(z_old, -1), torch.log_softmax(z_q, -1) - torch.log_softmax(z_old, -1)
+    K, V = z_old.shape
+    eq7 = torch.zeros_like(z_old)
+    for i in range(K):
+        for a in range(V):
+            (ga,) = torch.autograd.grad(torch.log_softmax(z, -1)[i, a], z)
+            eq7 -= lam * b[i, a] * delta[i, a] * ga / K
+    assert torch.allclose(g, eq7, atol=1e-6) and g.abs().max() > 1e-3
+
+
+def test_corollary2_matching_behaviour_kl_recovers_reverse_kl_exactly():
+    """Eq. (9)-(10) with β = λ: L_skill^unclip + β·D_b = λ·L_RKL for every θ (value and gradient); β ≠ λ leaves
+    (β − λ)·D_b."""
+    lam = 0.25
+    z_old, z_q, z_other = exact_case(3)
+    z = (z_old - 1.3 * z_other).requires_grad_(True)
+    unclip = skill_loss_via_code(z, z_old, z_q, lam, clip_eps=1e9)
+    aux, rkl, d_b = unclip + lam * kl_rows(z, z_old), kl_rows(z, z_q), kl_rows(z, z_old)
+    assert aux.item() == pytest.approx(lam * rkl.item(), rel=1e-5)
+    (g,), (g_rkl,) = torch.autograd.grad(aux, z, retain_graph=True), torch.autograd.grad(rkl, z, retain_graph=True)
+    assert torch.allclose(g, lam * g_rkl, atol=1e-6)
+    beta = 0.05
+    assert (unclip + beta * d_b).item() == pytest.approx((lam * rkl + (beta - lam) * d_b).item(), rel=1e-5)
+    assert abs((beta - lam) * d_b.item()) > 1e-3  # the residual is real when β ≠ λ
+
+
+def full_action_gradient(z_old, z_q, lam):
+    """Corollary 3: one context, ∂/∂z of −λ Σ_v p(v)Δ(v) at p = b, through the implemented loss."""
+    z = z_old.clone().requires_grad_(True)
+    loss = skill_loss_via_code(z[None], z_old[None], z_q[None], lam, clip_eps=1e9)
+    (g,) = torch.autograd.grad(loss, z)
+    return g
+
+
+def test_corollary3_full_action_gradient_vanishes_iff_teacher_equals_behaviour():
+    lam = 0.7
+    z_old, z_q, _ = exact_case(4, contexts=1, vocab=7)
+    z_old, z_q = z_old[0], z_q[0]
+    g = full_action_gradient(z_old, z_q, lam)
+    p = torch.softmax(z_old, -1)
+    delta = torch.log_softmax(z_q, -1) - torch.log_softmax(z_old, -1)
+    assert torch.allclose(g, -lam * p * (delta - (p * delta).sum()), atol=1e-6)  # Eq. (11)
+    assert g.abs().max() > 1e-3                                                 # q ≠ b: a real signal at a tie
+    assert full_action_gradient(z_old, z_old.clone(), lam).abs().max() == 0.0   # q = b
+    assert full_action_gradient(z_old, z_old + 2.5, lam).abs().max() < 1e-6     # same q, shifted logits
