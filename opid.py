@@ -219,9 +219,8 @@ class Analysis:
     steps: dict[int, str] = field(default_factory=dict)   # {t: s^step_τ,t} for t ∈ C_τ
 
 
-FENCE_RE = re.compile(r"```(?:json)?\s*(.*?)```", re.S | re.I)
-TRAILING_COMMA_RE = re.compile(r",(\s*[}\]])")
-STEP_KEY_RE = re.compile(r"\s*(?:step[\s_-]*)?(-?\d{1,30})\s*", re.I)
+TRAILING_COMMA_RE = re.compile(r'"(?:\\.|[^"\\])*"|,(\s*[}\]])')  # a string (kept as is) or a comma before } ]
+STEP_KEY_RE = re.compile(r"\s*(?:step[\s_-]*)?(-?\d+)\s*", re.I)
 EPISODE_KEYS, STEP_KEYS = ("episode_skill", "episode"), ("step_skills", "steps", "critical_steps")
 
 
@@ -247,27 +246,41 @@ def _skill_object(obj, depth: int = 0) -> dict | None:
     return None
 
 
-def find_json_object(text: str, max_starts: int = 64) -> dict | None:
-    """The first JSON object carrying an episode skill: fenced blocks first, then the whole text, trying each '{'
-    (bounded) as a start, as written and with trailing commas removed. Never raises."""
-    decoder = json.JSONDecoder()
-    for source in FENCE_RE.findall(text) + [text]:
-        for m in list(re.finditer(r"\{", source))[:max_starts]:
-            for candidate in (source[m.start():], TRAILING_COMMA_RE.sub(r"\1", source[m.start():])):
+def _first_wins(pairs):  # a repeated JSON key keeps its first value (Python's default keeps the last)
+    out = {}
+    for k, v in pairs:
+        out.setdefault(k, v)
+    return out
+
+
+def find_json_object(text: str, max_starts: int = 256) -> dict | None:
+    """The first JSON object carrying an episode skill (else the first JSON object at all): fenced blocks first,
+    then the whole text, trying each '{' (bounded) as a start, as written and then with trailing commas removed
+    outside strings. Linear in the text per start; never raises."""
+    decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
+    parts = text.split("```")
+    fenced = [p[4:] if p[:4].lower() == "json" else p for p in parts[1:16:2]]  # ```json … ``` blocks
+    first = None
+    for source in fenced + [text]:
+        repaired = TRAILING_COMMA_RE.sub(lambda m: m.group(1) if m.group(1) is not None else m.group(0), source)
+        for candidate in (source, repaired) if repaired != source else (source,):
+            for m in list(re.finditer(r"\{", candidate))[:max_starts]:
                 try:
-                    obj, _ = decoder.raw_decode(candidate)
+                    obj, _ = decoder.raw_decode(candidate, m.start())
                 except (ValueError, RecursionError):
                     continue
                 found = _skill_object(obj)
                 if found is not None:
                     return found
-    return None
+                first = first if first is not None or not isinstance(obj, dict) else obj
+    return first
 
 
 def _clean(skill) -> str | None:
+    """Whitespace-normalised text; lone surrogates (e.g. a broken emoji escape) become '?' so tokenizers accept it."""
     if not isinstance(skill, str):
         return None
-    return " ".join(skill.split()) or None
+    return " ".join(skill.encode("utf-8", "replace").decode("utf-8").split()) or None
 
 
 def _step_index(key) -> int | None:
@@ -276,7 +289,9 @@ def _step_index(key) -> int | None:
     if isinstance(key, int):
         return key
     m = STEP_KEY_RE.fullmatch(key) if isinstance(key, str) else None
-    return int(m.group(1)) if m else None
+    if m is None:
+        return None
+    return int(m.group(1)) if len(m.group(1)) < 19 else -1  # absurdly long numbers are simply out of range
 
 
 def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[Analysis | None, Counter]:
@@ -419,7 +434,7 @@ def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tenso
     adv = episode_advantages(rewards)
     members = {g: [tr for tr in trajs if tr.group == g] for g in groups}
     adv_of = {id(tr): adv[gi, n].item() for gi, g in enumerate(groups) for n, tr in enumerate(members[g])}
-    teacher_len = args.max_prompt_len + 2 * args.skill_max_tokens + 64  # room for both blocks and their headers
+    teacher_len = args.max_prompt_len + 2 * (args.skill_max_tokens + 64)  # room for both blocks + headers
     samples, counts = [], Counter()
     for tr, analysis in zip(trajs, analyses):
         for turn, (ep, st) in zip(tr.turns, route_skills(analysis, len(tr.turns), args.skill_mode)):  # l.15

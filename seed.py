@@ -204,7 +204,7 @@ def parse_skill(text: str | None) -> str | None:
     blocks = SKILL_RE.findall(text or "")
     if len(blocks) != 1:
         return None
-    skill = " ".join(blocks[0].split())
+    skill = " ".join(blocks[0].encode("utf-8", "replace").decode("utf-8").split())  # lone surrogates → '?'
     return skill if 3 <= len(skill.split()) <= 300 else None
 
 
