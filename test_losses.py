@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common as C
+import grsd
 import opid
 import seed
 
@@ -313,3 +314,105 @@ def test_corollary3_full_action_gradient_vanishes_iff_teacher_equals_behaviour()
     assert g.abs().max() > 1e-3                                                 # q ≠ b: a real signal at a tie
     assert full_action_gradient(z_old, z_old.clone(), lam).abs().max() == 0.0   # q = b
     assert full_action_gradient(z_old, z_old + 2.5, lam).abs().max() < 1e-6     # same q, shifted logits
+
+
+# ---------------------------------------------------------------------------------------------- GRSD Eq. (1), (9)-(11)
+
+def test_grsd_norm_g_by_hand_valid_subset_and_ties():
+    a = grsd.norm_g(torch.tensor([1.0, 0.0, 0.0, 1.0]), eps_adv=1e-6)
+    x = 0.5 / math.sqrt(0.25 + 1e-6)  # v̄ = 0.5, population variance 0.25
+    assert a.tolist() == pytest.approx([x, -x, -x, x], abs=1e-6)
+    # Alg. 1 l.11: statistics over the valid entries only (scores 3, 1, 2 → mean 2, var 2/3); invalid → 0
+    r = grsd.norm_g(torch.tensor([3.0, 0.0, 1.0, 2.0]), 1e-6, valid=torch.tensor([True, False, True, True]))
+    sd = math.sqrt(2 / 3 + 1e-6)
+    assert r.tolist() == pytest.approx([1 / sd, 0.0, -1 / sd, 0.0], abs=1e-6)
+    assert grsd.norm_g(torch.tensor([0.9] * 8), 1e-6).tolist() == [0.0] * 8  # a tie is exactly 0
+    assert grsd.norm_g(torch.tensor([2.0, 1.0]), 1e-6, valid=torch.tensor([True, False])).tolist() == [0.0, 0.0]
+
+
+def test_grsd_turn_modulation_by_hand():
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.7, -0.7])
+    delta = torch.tensor([0.02, -0.01, 0.5, -0.03, 0.4, -0.2])
+    group = torch.tensor([0, 0, 0, 0, 1, 1])
+    mixed = torch.tensor([True, False])  # group 1 is single-outcome: Â = A exactly
+    a_hat, q_hat = grsd.turn_modulation(adv, delta, group, mixed, lam=0.5, g_hat=0.2, eps_gap=1e-6)
+    q = [0.02, -0.01, -0.5, 0.03]                       # sign(A)·Δ
+    u = [math.expm1(x) for x in q]
+    d_x = sum(abs(x) for x in u) / 4 + 1e-6
+    qh = [max(-0.2, min(0.2, x / d_x)) for x in u]
+    assert qh[0] == pytest.approx(0.0202013 / 0.1135188, abs=1e-4) and qh[2] == -0.2  # unclipped; clipped
+    want = [a * (1 + 0.5 * x) for a, x in zip([1.0, 1.0, -1.0, -1.0], qh)]
+    assert a_hat[:4].tolist() == pytest.approx(want, abs=1e-6)
+    assert q_hat[:4].tolist() == pytest.approx(qh, abs=1e-6)
+    assert torch.equal(a_hat[4:], adv[4:]) and q_hat[4:].tolist() == [0.0, 0.0]
+
+
+def test_grsd_turn_modulation_is_finite_for_huge_gaps():
+    adv, delta = torch.tensor([1.0, -1.0, 1.0]), torch.tensor([500.0, -500.0, -3.0])
+    a_hat, q_hat = grsd.turn_modulation(adv, delta, torch.zeros(3, dtype=torch.long), torch.tensor([True]),
+                                        0.5, 0.2, 1e-6)
+    assert torch.isfinite(a_hat).all() and a_hat.tolist() == pytest.approx([1.1, -1.1, 1.0 * (1 + 0.5 * q_hat[2].item())])
+
+
+def test_grsd_prop2_bounded_sign_preserving_modulation_on_random_inputs():
+    """Prop. 2 (Eq. 31-33): w ∈ [1−δ, 1+δ], |Â − A| ≤ δ|A|, sign(Â) = sign(A) for A ≠ 0; and sign(q̂) = sign(q)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n, n_groups = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        adv = torch.randn(n, generator=g) * 2
+        adv[torch.rand(n, generator=g) < 0.1] = 0.0
+        delta = torch.randn(n, generator=g) * float(torch.rand(1, generator=g) * 5)
+        group = torch.randint(0, n_groups, (n,), generator=g)
+        mixed = torch.rand(n_groups, generator=g) < 0.7
+        g_hat = float(torch.rand(1, generator=g)) * 0.5 + 0.01
+        lam = float(torch.rand(1, generator=g)) * 0.999 / g_hat
+        delta_bound = lam * g_hat
+        a_hat, q_hat = grsd.turn_modulation(adv, delta, group, mixed, lam, g_hat, 1e-6)
+        nz = adv != 0
+        w = a_hat[nz].double() / adv[nz].double()
+        assert (w >= 1 - delta_bound - 1e-5).all() and (w <= 1 + delta_bound + 1e-5).all(), trial
+        assert ((a_hat - adv).abs() <= delta_bound * adv.abs() + 1e-5).all()
+        assert torch.equal(torch.sign(a_hat[nz]), torch.sign(adv[nz])) and (a_hat[~nz] == 0).all()
+        q = torch.sign(adv) * delta
+        on = mixed[group] & (q_hat != 0)
+        assert torch.equal(torch.sign(q_hat[on]), torch.sign(q[on]))
+        assert (q_hat[~mixed[group]] == 0).all()
+
+
+def test_grsd_prop3_positive_reweighting_of_the_clipped_surrogate():
+    """Eq. (38): φ_ε(ρ, wA) = w φ_ε(ρ, A) for w ≥ 0; Eq. (42): each token's GRSD gradient is w times GRPO's."""
+    torch.manual_seed(3)
+    z = torch.randn(6, 5, requires_grad=True)          # 6 tokens, vocabulary 5
+    tokens = torch.randint(0, 5, (6,))
+    old = (torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1) + torch.randn(6) * 0.4).detach()
+    adv = torch.tensor([1.0, 1.0, -0.5, -0.5, 2.0, 0.0])
+    w = torch.tensor([1.1, 0.9, 1.0, 0.95, 1.05, 1.2])
+    logp = torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    phi_w, phi = -C.clipped_surrogate(logp, old, w * adv, 0.2), -C.clipped_surrogate(logp, old, adv, 0.2)
+    assert torch.allclose(phi_w, w * phi, atol=1e-7)
+    ratio = torch.exp(logp - old)
+    assert ((ratio < 0.8) | (ratio > 1.2)).any() and ((ratio > 0.8) & (ratio < 1.2)).any()  # both regimes present
+    for k in range(6):
+        (g_grsd,) = torch.autograd.grad(phi_w[k], z, retain_graph=True)
+        (g_grpo,) = torch.autograd.grad(phi[k], z, retain_graph=True)
+        assert torch.allclose(g_grsd, w[k] * g_grpo, atol=1e-7)
+
+
+def test_grsd_aggregation_is_per_trajectory_mean_not_token_mean():
+    """Eq. (2)/(13): (1/G) Σ_i (1/N_i) Σ_{t,k}. Trajectory a: one turn of 2 tokens, A = 1; trajectory b: turns of 3
+    and 1 tokens, A = −0.5. At ρ = 1 the paper's loss is −(1 − 0.5)/2 = −0.25; a token mean would give 0."""
+    logp = torch.zeros(3, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([[1.0], [-0.5], [-0.5]])
+    weight = torch.tensor([[1 / 2], [1 / 4], [1 / 4]])  # 1/N_i
+    denom = (mask * weight).sum().item()                # = 2 trajectories
+    assert denom == pytest.approx(2.0)
+    full = grsd.grpo_surrogate(logp, logp, adv, mask, weight, 0.2, denom)
+    assert full.item() == pytest.approx(-0.25)
+    assert C.masked_mean(C.clipped_surrogate(logp, logp, adv, 0.2), mask).item() == pytest.approx(0.0)
+    parts = sum(grsd.grpo_surrogate(logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1], weight[i:i + 1], 0.2,
+                                    denom) for i in range(3))  # micro-batches of one turn, the whole batch's denom
+    assert parts.item() == pytest.approx(-0.25)
+    loss, pg, kl = grsd.grsd_task_loss(logp, logp, logp - 1.0, adv, mask, weight, 0.2, 0.01, denom)
+    k3 = math.exp(-1.0) + 1.0 - 1                        # r = ℓ_ref − ℓ_θ = −1: e^r − r − 1
+    assert kl.item() == pytest.approx(k3) and loss.item() == pytest.approx(-0.25 + 0.01 * k3)
