@@ -16,11 +16,13 @@ Conventions (see DESIGN.md §3-4):
 from __future__ import annotations
 
 import datetime
+import http.client
 import json
 import math
 import os
 import random
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -518,14 +520,15 @@ class Timer:
 
 
 class ChatClient:
-    """POST {base_url}/chat/completions. Failures (after bounded retries with backoff) return None and are
-    counted in `self.failures`; they never raise."""
+    """POST {base_url}/chat/completions. Failures (after bounded retries with backoff: network errors, HTTP errors,
+    cut-off bodies, malformed JSON) return None and are counted in `self.failures`; they never raise. A `content`
+    given as a list of parts is joined; any other non-text content counts as a failure."""
 
     def __init__(self, base_url: str, model: str, api_key: str = "", timeout: float = 120.0, retries: int = 3,
                  workers: int = 16):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.timeout, self.retries, self.workers = model, api_key, timeout, retries, workers
-        self.failures = 0
+        self.failures, self._lock = 0, threading.Lock()
 
     def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> str | None:
         body = json.dumps({"model": self.model, "messages": messages, "temperature": temperature,
@@ -537,11 +540,18 @@ class ChatClient:
             try:
                 req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return json.loads(r.read())["choices"][0]["message"]["content"]
-            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
-                if attempt + 1 < self.retries:
-                    time.sleep(min(2 ** attempt, 10))
-        self.failures += 1
+                    content = json.loads(r.read())["choices"][0]["message"]["content"]
+                if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                    content = "".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+                if isinstance(content, str):
+                    return content
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError, KeyError, IndexError,
+                    TypeError):
+                pass
+            if attempt + 1 < self.retries:
+                time.sleep(min(2 ** attempt, 10))
+        with self._lock:  # complete_many calls this from a thread pool
+            self.failures += 1
         return None
 
     def complete_many(self, prompts: list[str], temperature: float, max_tokens: int) -> list[str | None]:

@@ -25,6 +25,8 @@ Deviations / choices:
     Step skills with an index outside 0..T−1 (the candidates: the trajectory's own steps), an unreadable key, an
     empty or non-string skill, or a repeated index are dropped; beyond `max_critical` the analyzer's first ones
     in the order written are kept (the official rule). Every outcome is counted in metrics (analyzer/*).
+  * The record cuts every observation and response to `record_chars` (400) characters (GRSD's App. C choice;
+    OPID does not say), so long search results are mostly hidden from the analyzer: raise it for a strong one.
   * H(h, s) inserts the episode skill right after the task line and the step skill right before the
     "Now it's your turn" line of the agent prompt (official OPID code); in additive mode both. If an anchor is
     missing (prompt truncated), the episode block is prepended / the step block appended, and counted. Each skill
@@ -77,6 +79,7 @@ class Args:
     max_critical: int | None = arg(None, "max critical steps |C_τ| (paper 5 ALFWorld/WebShop, 2 Search)")
     skill_mode: str = arg("critical_first", "critical_first | episode_only | step_only | additive")
     skill_max_tokens: int = arg(256, "each skill is cut to this many tokens before injection")
+    record_chars: int = arg(400, "observations and responses are cut to this many characters in the record")
     # RL (B.4, Table 6)
     updates: int | None = arg(None, "policy updates (paper 150)")
     tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)")
@@ -184,7 +187,8 @@ ANALYZER_INSTRUCTIONS = """You are reviewing the finished attempt of an agent ab
    (no object numbers), grounded in what actually happened.
 2. step_skills: only for the few decisive steps (at most {k}) where the outcome hinged on one choice, e.g. a
    repeated or invalid action, the wrong object or place, a missed subgoal, stopping too early or too late.
-   Key each by its 0-based step number; the value is one short imperative instruction for that decision.
+   Key each by its 0-based step number; the value is one short imperative instruction for that decision
+   (do not mention step numbers in it: the agent numbers its steps differently).
 Reply with a single JSON object and nothing else:
 {{"episode_skill": "...", "step_skills": {{"<step>": "...", ...}}}}"""
 
@@ -204,8 +208,8 @@ def trajectory_record(traj: C.Trajectory, text_chars: int = 400) -> str:
     return "\n".join(lines)
 
 
-def analyzer_prompt(traj: C.Trajectory, max_critical: int) -> str:
-    return trajectory_record(traj) + "\n\n" + ANALYZER_INSTRUCTIONS.format(k=max_critical)
+def analyzer_prompt(traj: C.Trajectory, max_critical: int, record_chars: int = 400) -> str:
+    return trajectory_record(traj, record_chars) + "\n\n" + ANALYZER_INSTRUCTIONS.format(k=max_critical)
 
 
 def retry_prompt(first_prompt: str, reply: str | None, problem: str) -> str:
@@ -294,13 +298,23 @@ def _step_index(key) -> int | None:
     return int(m.group(1)) if len(m.group(1)) < 19 else -1  # absurdly long numbers are simply out of range
 
 
+def strip_thinking(text: str) -> str:
+    """Drop closed <think>…</think> blocks (linear scan): a draft JSON inside the reasoning is not the answer."""
+    out, pos = [], 0
+    while (a := text.find("<think>", pos)) >= 0 and (b := text.find("</think>", a)) >= 0:
+        out.append(text[pos:a])
+        pos = b + len("</think>")
+    return " ".join(out + [text[pos:]])
+
+
 def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[Analysis | None, Counter]:
     """A(τ) = (s^ep_τ, {s^step_τ,t}_{t ∈ C_τ}) from an analyzer reply. Returns (analysis or None, event counts).
-    None when there is no JSON object with a non-empty episode skill. Step skills are dropped when the index is not
+    None when there is no JSON object with a non-empty episode skill (closed <think> blocks are ignored). Step skills are dropped when the index is not
     one of the trajectory's steps 0..n_steps−1 (out_of_range) or unreadable (bad_key), the skill is empty or not a
     string (bad_skill), or the index repeats (duplicate); past `max_critical` the rest are cut (truncated)."""
     events = Counter()
-    obj = find_json_object(text or "")
+    text = text if isinstance(text, str) else ""
+    obj = find_json_object(strip_thinking(text))
     episode = _clean(_pick(obj, EPISODE_KEYS)) if obj is not None else None
     if episode is None:
         events["no_json" if obj is None else "no_episode_skill"] += 1
@@ -330,7 +344,7 @@ def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[A
 def analyze(trajs, engine, args, client=None) -> tuple[list[Analysis | None], Counter]:
     """A(τ) for every trajectory (Alg. 1 l.12): an external endpoint if given, else θ_old itself; one bounded retry
     for replies without a usable analysis, then the trajectory gets no skill signal (counted as `failed`)."""
-    first = [analyzer_prompt(tr, args.max_critical) for tr in trajs]
+    first = [analyzer_prompt(tr, args.max_critical, args.record_chars) for tr in trajs]
     prompts, results, events, pending = list(first), [None] * len(trajs), Counter(), list(range(len(trajs)))
     for attempt in range(1 + args.analyzer_retries):
         if not pending:
@@ -456,7 +470,7 @@ def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         old = C.score(policy, P, R, args.micro_batch, d.device)
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device) if args.beta_kl > 0 else [torch.zeros(len(r)) for r in R]
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)
     skill = list(old)
     if args.lambda_skill > 0:
         rows = [i for i, s in enumerate(samples) if s.teacher_ids]
@@ -494,14 +508,14 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
                 p = [samples[i].prompt_ids for i in idx] or [C.DUMMY[0]]
                 r = [R[i] for i in idx] or [C.DUMMY[1]]
-                logp, mask = C.sequence_logprobs(policy, p, r, d.device)                 # ℓ_θ, with gradient
+                logp, mb_mask = C.sequence_logprobs(policy, p, r, d.device)              # ℓ_θ, with gradient
                 rows = lambda xs: C.pad_right([xs[i] for i in idx] or [torch.zeros(1)], d.device)  # noqa: E731
-                loss, pg, kl = opid_loss(logp, rows(old), rows(ref_lp), rows(adv), mask, args.clip_eps,
+                loss, pg, kl = opid_loss(logp, rows(old), rows(ref_lp), rows(adv), mb_mask, args.clip_eps,
                                          args.beta_kl, n_tok)                              # l.29-30
                 (loss * scale).backward()
                 sums["pg"] += pg.item() * bool(idx)
                 sums["kl"] += kl.item() * bool(idx)
-                sums["tokens"] += mask.sum().item() * bool(idx)
+                sums["tokens"] += mb_mask.sum().item() * bool(idx)
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))              # l.31
     keys = sorted(sums)
     tot = Counter(dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device))))

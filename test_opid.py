@@ -322,7 +322,9 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
 
 
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
-    """Each of 2 FSDP ranks holds one group; the step equals the 1-process step on the whole batch."""
+    """Each of 2 FSDP ranks holds one group and runs micro-batches of 5 (unequal counts: padding chunks); the step
+    equals the 1-process step on the whole batch in one micro-batch. (With several mini-batches the split of turns
+    into mini-batches depends on the number of ranks, by design, so this holds for one mini-batch.)"""
     row, single, _, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.5, micro_batch=64)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "test_opid.py"), str(tmp_path / "two.pt")]
@@ -492,6 +494,10 @@ PARSE_CASES = [
     pytest.param("```JSON\n" + PLAIN + "```", 5, 5, A(E, PLAIN_STEPS), {"critical_steps": 2}, id="fenced-upper"),
     pytest.param("<think>The reply is {episode_skill: ...}; step {3} was decisive.</think>\n" + PLAIN, 5, 5,
                  A(E, PLAIN_STEPS), {"critical_steps": 2}, id="braces-in-thinking"),
+    pytest.param('<think>Draft: {"episode_skill": "draft idea"}</think>\n' + PLAIN, 5, 5, A(E, PLAIN_STEPS),
+                 {"critical_steps": 2}, id="draft-json-inside-thinking-is-ignored"),
+    pytest.param("</think>" + "<think>" * 7000 + PLAIN, 5, 5, A(E, PLAIN_STEPS), {"critical_steps": 2},
+                 id="many-unclosed-think-tags"),
     pytest.param('You asked for {"episode_skill": "...", "step_skills": {"<step>": "...", ...}}. Here: ' + PLAIN,
                  5, 5, A(E, PLAIN_STEPS), {"critical_steps": 2}, id="echoed-template-first"),
     pytest.param('{\n  "episode_skill": "%s",\n  "step_skills": {\n    "1": "Open the drawer first.",\n  },\n}' % E,
@@ -819,7 +825,8 @@ def test_opid_runs_real_benchmark_episodes(env_name, data, tmp_path):
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update
     dist_ = C.init_distributed(seed=0)
     tok_ = C.load_tokenizer("tiny")
-    row_, params_, _, _ = run_update(dist_, tok_, *opid_batch(tok_), sgd=True, lambda_skill=0.5, micro_batch=64)
+    # micro_batch 5: each rank runs several real chunks and, where it has fewer, zero-weighted padding chunks
+    row_, params_, _, _ = run_update(dist_, tok_, *opid_batch(tok_), sgd=True, lambda_skill=0.5, micro_batch=5)
     if dist_.main:
         torch.save({"row": row_, "params": params_}, sys.argv[1])
     C.shutdown()

@@ -275,6 +275,40 @@ def test_chat_client_retries_and_counts_failures():
     assert dead.complete_many(["x", "y"], 0.0, 8) == [None, None] and dead.failures == 2
 
 
+class Flaky(BaseHTTPRequestHandler):
+    """Answers in turn: a body cut short (Content-Length 1000, 13 bytes sent), content as a list of text parts,
+    content that is not text at all."""
+    calls = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Flaky.calls += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if Flaky.calls % 3 == 1:
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"choices": [')
+            return
+        content = [{"type": "text", "text": "<skill>a b "}, {"type": "text", "text": "c</skill>"}] \
+            if Flaky.calls % 3 == 2 else {"unexpected": 1}
+        self.end_headers()
+        self.wfile.write(json.dumps({"choices": [{"message": {"content": content}}]}).encode())
+
+    def log_message(self, *a):
+        pass
+
+
+def test_chat_client_survives_cut_bodies_and_odd_content():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=2)
+    first = client.complete([{"role": "user", "content": "x"}], 0.0, 8)  # cut body, then list content on retry
+    second = client.complete([{"role": "user", "content": "x"}], 0.0, 8)  # non-text, then a cut body: gives up
+    server.shutdown()
+    assert first == "<skill>a b c</skill>" and second is None and client.failures == 1 and Flaky.calls == 4
+
+
 def clean_env():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT", "LOCAL_WORLD_SIZE")}
