@@ -565,6 +565,35 @@ class ChatClient:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def task_envs(args):
+    """From a method's Args: the train task ids, a seeded sample of `eval_tasks` held-out ids (split `eval_split`),
+    and environment factories for both splits."""
+    import envs
+    kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps)
+    if args.retriever_url:
+        kw["retriever_url"] = args.retriever_url
+    make_train = lambda: envs.make_env(args.env, split="train", **kw)  # noqa: E731
+    make_valid = lambda: envs.make_env(args.env, split=args.eval_split, **kw)  # noqa: E731
+    valid_ids = make_valid().task_ids()
+    valid_ids = random.Random(args.seed).sample(valid_ids, min(args.eval_tasks, len(valid_ids)))
+    return make_train().task_ids(), valid_ids, make_train, make_valid
+
+
+def validate_and_save(update: int, args, engine, policy, tok, make_valid, valid_ids, d: Dist, timer) -> dict:
+    """Held-out success every `eval_every` updates and after the last (θ pushed to the engine first); an HF
+    checkpoint every `save_every` updates and after the last (`final/`)."""
+    row, last = {}, update + 1 == args.updates
+    if args.eval_every and ((update + 1) % args.eval_every == 0 or last):
+        engine.sync(policy)
+        with timer("eval"):
+            row = evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
+                           args.eval_temperature)
+    if (update + 1) % args.save_every == 0 or last:
+        with timer("save"):
+            save_checkpoint(policy, tok, os.path.join(args.out_dir, "final" if last else f"update{update + 1}"), d)
+    return row
+
+
 def sample_tasks(task_ids: list[str], k: int, update: int, seed: int) -> list[str]:
     """The same global task batch on every rank (seeded by update), without replacement when possible."""
     rng = random.Random(seed * 100_003 + update)

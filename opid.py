@@ -552,14 +552,7 @@ def main(args: Args):
     args = resolve(args)
     d = C.init_distributed(args.seed)
     tok = C.load_tokenizer(args.model)
-    env_kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps)
-    if args.retriever_url:
-        env_kw["retriever_url"] = args.retriever_url
-    train_ids = envs.make_env(args.env, split="train", **env_kw).task_ids()
-    valid_ids = envs.make_env(args.env, split=args.eval_split, **env_kw).task_ids()
-    valid_ids = random.Random(args.seed).sample(valid_ids, min(args.eval_tasks, len(valid_ids)))
-    make_train = lambda: envs.make_env(args.env, split="train", **env_kw)  # noqa: E731
-    make_valid = lambda: envs.make_env(args.env, split=args.eval_split, **env_kw)  # noqa: E731
+    train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
     metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates, "opid")
     if d.main:
         with open(os.path.join(args.out_dir, "args.json"), "w") as f:
@@ -596,16 +589,7 @@ def main(args: Args):
                     "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
                     "rollout/unterminated_responses": C.global_sum([cstats.unterminated_responses], d.device)[0],
                     **C.rollout_metrics(trajs, d)})
-        last = update + 1 == args.updates
-        if args.eval_every and ((update + 1) % args.eval_every == 0 or last):
-            engine.sync(policy)
-            with timer("eval"):
-                row.update(C.evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
-                                      args.eval_temperature))
-        if (update + 1) % args.save_every == 0 or last:
-            with timer("save"):
-                C.save_checkpoint(policy, tok, os.path.join(args.out_dir, "final" if last else f"update{update + 1}"),
-                                  d)
+        row.update(C.validate_and_save(update, args, engine, policy, tok, make_valid, valid_ids, d, timer))
         row.update(timer.as_metrics())
         row["time/total"] = time.perf_counter() - t0
         metrics.log(row)
