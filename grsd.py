@@ -260,8 +260,8 @@ def inject_guidance(prompt_text: str, guidance: str) -> str:
     return f"[Privileged guidance from reflections on this task]\n{guidance}\n\n{prompt_text}"
 
 
-POINT_RE = re.compile(r"^\s*(?:\*\*)?([1-9])[.)]\s*\S", re.M)
-JUDGE_RE = re.compile(r"\s*(?:\**score\**\s*[:=]?\s*)?([0-3])\s*[.!)]?\s*", re.I)
+POINT_RE = re.compile(r"^\s*(?:\*\*)?(\d+)[.)]\s*\S", re.M)
+JUDGE_RE = re.compile(r"\s*(?:score\s*[:=]?\s*)?([0-3])\s*[.!)]?\s*", re.I)
 
 
 def parse_reflection(text: str | None) -> str | None:
@@ -273,9 +273,10 @@ def parse_reflection(text: str | None) -> str | None:
 
 
 def parse_judge(text: str | None) -> int | None:
-    """r_ref ∈ {0,1,2,3} (Eq. 4) from a judge reply: one digit, optionally 'Score:'-prefixed or followed by '.';
+    """r_ref ∈ {0,1,2,3} (Eq. 4) from a judge reply: one digit, optionally 'Score:'-prefixed or followed by '.'
+    (markdown '*' ignored);
     anything else (empty, out of range, words, long text) is invalid → None."""
-    m = JUDGE_RE.fullmatch(text or "") if text is not None and len(text) <= 64 else None
+    m = JUDGE_RE.fullmatch(text.replace("*", "")) if isinstance(text, str) and len(text) <= 64 else None
     return int(m.group(1)) if m else None
 
 
@@ -347,7 +348,7 @@ def group_guidance(trajs, reflections, scores, engine, args, timer):
 def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], list[Sample]]:
     """Turn samples (student and teacher contexts, Eq. 8) and reflection samples (Eq. 14)."""
     p_ids, r_ids, reflections, scores = refl
-    teacher_len = args.max_prompt_len + args.guidance_max_tokens + 32
+    teacher_len = args.max_prompt_len + args.guidance_max_tokens + 64  # + the block's header
     turns, refls = [], []
     for i, tr in enumerate(trajs):
         z = guidance.get(tr.group)
@@ -402,7 +403,7 @@ def modulated_advantages(turns: list[Sample], old, tea, args):
     return out, torch.tensor([diffs[j].mean().item() for j in range(len(turns)) if has[j] and lens[j] > 0])
 
 
-def grsd_update(policy, ref, opt, turns, refls, mixed, args, d, timer) -> dict:
+def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     """Scoring under the frozen snapshot (θ = θ_old before any step), Â, then the joint loss (Alg. 1 l.28-29)."""
     P, R = [s.prompt_ids for s in turns], [s.response_ids for s in turns]
     with timer("scoring"):
@@ -459,8 +460,9 @@ def grsd_update(policy, ref, opt, turns, refls, mixed, args, d, timer) -> dict:
                          delta_turn.sum().item(), float(delta_turn.numel()), (a_hat - a_plain).abs().sum().item(),
                          float(a_hat.numel())], d.device)
     pg, kl, lref, n_tok, d_abs, d_sum, n_d, dev, n_a = vals
-    w_lo = C.all_reduce(torch.tensor([w_ratio.min().item() if w_ratio.numel() else 1.0], device=d.device), ReduceOp.MIN)
-    w_hi = C.all_reduce(torch.tensor([float(w_ratio.max()) if w_ratio.numel() else 1.0], device=d.device), ReduceOp.MAX)
+    lo, hi = (w_ratio.min().item(), w_ratio.max().item()) if w_ratio.numel() else (1.0, 1.0)
+    w_lo = C.all_reduce(torch.tensor([lo], device=d.device), ReduceOp.MIN)
+    w_hi = C.all_reduce(torch.tensor([hi], device=d.device), ReduceOp.MAX)
     return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref / n_mb,
             "losses/total": (pg + args.beta_kl * kl + args.alpha * lref) / n_mb,
             "grsd/delta_mean": d_sum / max(n_d, 1), "grsd/delta_abs_mean": d_abs / max(n_d, 1),  # Fig. 3b, per turn
@@ -506,7 +508,7 @@ def main(args: Args):
         refl = reflect_and_judge(trajs, engine, args, client, timer)               # l.5-11
         mixed, guidance, n_empty = group_guidance(trajs, refl[2], refl[3], engine, args, timer)  # l.12-16
         turns, refls = build_samples(trajs, adv, refl, guidance, tok, args)
-        row = {"update": update, **grsd_update(policy, ref, opt, turns, refls, mixed, args, d, timer)}
+        row = {"update": update, **grsd_update(policy, ref, opt, turns, refls, args, d, timer)}
         scores = [s for s in refl[3] if s is not None]
         s = C.global_sum([len(trajs), sum(x is not None for x in refl[2]), len(scores), sum(scores),
                           len(groups), sum(mixed.values()), sum(z is not None for z in guidance.values()), n_empty,
