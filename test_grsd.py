@@ -128,7 +128,7 @@ def task_advantages(trajs, args):
 
 
 def teacher_len(args):
-    return args.max_prompt_len + args.guidance_max_tokens + 32
+    return args.max_prompt_len + args.guidance_max_tokens + 64
 
 
 def run_update(d, tok, batch, sgd=False, **kw):
