@@ -345,10 +345,15 @@ def group_guidance(trajs, reflections, scores, engine, args, timer):
     return mixed, guidance, sum(guidance[g] is None for g in active)
 
 
+def teacher_limit(args) -> int:
+    """Token limit of a teacher prompt: the student's limit plus room for the guidance block and its header."""
+    return args.max_prompt_len + args.guidance_max_tokens + 64
+
+
 def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], list[Sample]]:
     """Turn samples (student and teacher contexts, Eq. 8) and reflection samples (Eq. 14)."""
     p_ids, r_ids, reflections, scores = refl
-    teacher_len = args.max_prompt_len + args.guidance_max_tokens + 64  # + the block's header
+    teacher_len = teacher_limit(args)
     turns, refls = [], []
     for i, tr in enumerate(trajs):
         z = guidance.get(tr.group)
@@ -409,8 +414,9 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     with timer("scoring"):
         old = C.score(policy, P, R, args.micro_batch, d.device)                     # ℓ_stu = log π_θold
         ref_lp = C.score(ref, P, R, args.micro_batch, d.device)
-        r_old = C.score(policy, [s.prompt_ids for s in refls], [s.response_ids for s in refls], args.micro_batch,
-                        d.device)                                                   # reflection tokens, θ_old
+        live = [j for j, s in enumerate(refls) if s.adv != 0]  # A_ref = 0 ⇒ φ(ρ, 0) = 0: no pass needed
+        r_old = dict(zip(live, C.score(policy, [refls[j].prompt_ids for j in live], [refls[j].response_ids for j in live],
+                                       args.micro_batch, d.device)))               # reflection tokens, θ_old
     rows = [j for j, s in enumerate(turns) if s.teacher_ids]
     tea = list(old)
     with timer("teacher"):                                                          # Eq. (9): ℓ_tea under θ̄
@@ -428,9 +434,10 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     with timer("update"):
         for b in range(n_mb):
             mb, rmb = order[b::n_mb], r_order[b::n_mb]
+            # Σ 1/N_i over the mini-batch's task tokens (its trajectories) and its reflection count (all of them)
             denom, r_denom = C.global_sum([sum(turns[j].weight * len(R[j]) for j in mb), float(len(rmb))], d.device)
             chunks = [("task", c) for c in C.chunk(mb, args.micro_batch)] + \
-                     [("ref", c) for c in C.chunk(rmb, args.micro_batch)]
+                     [("ref", c) for c in C.chunk([j for j in rmb if j in r_old], args.micro_batch)]
             chunks += [("pad", [])] * (C.global_max(len(chunks), d.device) - len(chunks))  # equal FSDP forwards
             for kind, idx in chunks:
                 src = refls if kind == "ref" else turns

@@ -170,8 +170,9 @@ def opid_advantages(a_ep, old_logp, skill_logp, mask, has_skill, lambda_skill: f
 
 
 def opid_loss(logp, old_logp, ref_logp, adv, mask, clip_eps: float, beta_kl: float, denom=None):
-    """§3.4 / Alg. 1 l.28-30: −E[min(ρ A_OPID, clip(ρ, 1±ε) A_OPID)] + β·KL, ρ = exp(ℓ_θ − ℓ_old), masked means over
-    valid tokens (`denom`: the mini-batch's token count). Clipping sees the COMBINED advantage. Returns (loss, pg, kl)."""
+    """§3.4 / Alg. 1 l.28-30: −E[min(ρ A_OPID, clip(ρ, 1±ε) A_OPID)] + β·KL, ρ = exp(ℓ_θ − ℓ_old), masked means
+    over valid tokens (`denom`: the mini-batch's token count). Clipping sees the COMBINED advantage.
+    Returns (loss, pg, kl)."""
     pg = C.masked_mean(C.clipped_surrogate(logp, old_logp, adv, clip_eps), mask, denom)
     kl = C.masked_mean(C.kl_k3(logp, ref_logp), mask, denom)
     return pg + beta_kl * kl, pg, kl
@@ -309,9 +310,10 @@ def strip_thinking(text: str) -> str:
 
 def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[Analysis | None, Counter]:
     """A(τ) = (s^ep_τ, {s^step_τ,t}_{t ∈ C_τ}) from an analyzer reply. Returns (analysis or None, event counts).
-    None when there is no JSON object with a non-empty episode skill (closed <think> blocks are ignored). Step skills are dropped when the index is not
-    one of the trajectory's steps 0..n_steps−1 (out_of_range) or unreadable (bad_key), the skill is empty or not a
-    string (bad_skill), or the index repeats (duplicate); past `max_critical` the rest are cut (truncated)."""
+    None when there is no JSON object with a non-empty episode skill (closed <think> blocks are ignored). Step
+    skills are dropped when the index is not one of the trajectory's steps 0..n_steps−1 (out_of_range) or is
+    unreadable (bad_key), the skill is empty or not a string (bad_skill), or the index repeats (duplicate); past
+    `max_critical` the rest are cut in the order written (truncated)."""
     events = Counter()
     text = text if isinstance(text, str) else ""
     obj = find_json_object(strip_thinking(text))
@@ -440,6 +442,11 @@ class Sample:
     route: str                      # "step", "episode", "both" (additive at C_τ) or "none"
 
 
+def teacher_limit(args) -> int:
+    """Token limit of a teacher prompt: the student's limit plus room for both skill blocks and their headers."""
+    return args.max_prompt_len + 2 * (args.skill_max_tokens + 64)
+
+
 def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tensor, Counter]:
     """Alg. 1 l.8-16: group advantages, routing and the skill-augmented context of every step."""
     groups = sorted({tr.group for tr in trajs})  # may be empty: a rank with no task this update
@@ -448,7 +455,7 @@ def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tenso
     adv = episode_advantages(rewards)
     members = {g: [tr for tr in trajs if tr.group == g] for g in groups}
     adv_of = {id(tr): adv[gi, n].item() for gi, g in enumerate(groups) for n, tr in enumerate(members[g])}
-    teacher_len = args.max_prompt_len + 2 * (args.skill_max_tokens + 64)  # room for both blocks + headers
+    teacher_len = teacher_limit(args)
     samples, counts = [], Counter()
     for tr, analysis in zip(trajs, analyses):
         for turn, (ep, st) in zip(tr.turns, route_skills(analysis, len(tr.turns), args.skill_mode)):  # l.15

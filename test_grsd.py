@@ -128,7 +128,7 @@ def task_advantages(trajs, args):
 
 
 def teacher_len(args):
-    return args.max_prompt_len + args.guidance_max_tokens + 64
+    return grsd.teacher_limit(args)
 
 
 def run_update(d, tok, batch, sgd=False, **kw):
@@ -419,7 +419,8 @@ def test_stu_and_tea_are_scored_once_before_any_step(d, tok, batch, independent,
     n_mb = run.row["train/minibatches"]
     assert n_mb >= 3 and [e[0] for e in events] == ["score"] * 4 + ["step"] * n_mb
     assert [e[1] for e in events[:4]] == pytest.approx([initial] * 4, rel=1e-12)
-    assert [e[2] for e in events[:4]] == [34, 34, 8, 18]  # ℓ_stu, ℓ_ref, reflections, ℓ_tea (group 0's turns)
+    # ℓ_stu, ℓ_ref, the 6 reflections with A_ref ≠ 0 (the other 2 add exactly 0 to L_ref), ℓ_tea (group 0's turns)
+    assert [e[2] for e in events[:4]] == [34, 34, 6, 18]
     # every turn's Â in every mini-batch is the θ_old one computed here
     want = a_hat_by_hand(batch, independent)
     free = list(range(len(want)))

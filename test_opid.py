@@ -88,7 +88,7 @@ def make_args(**kw):
 
 
 def teacher_len(args):
-    return args.max_prompt_len + 2 * args.skill_max_tokens + 64
+    return opid.teacher_limit(args)
 
 
 def run_update(d, tok, trajs, analyses, sgd=False, **kw):
