@@ -262,6 +262,19 @@ class HFEngine:
         return [self.tok.decode(r, skip_special_tokens=True) for r in resp]
 
 
+def strip_thinking(text: str) -> str:
+    """Drop <think>…</think> blocks; an unclosed one runs to the end (the model never left its reasoning). Reasoning
+    is not the answer: a draft inside it must not be parsed as one. Linear time."""
+    out, pos = [], 0
+    while (a := text.find("<think>", pos)) >= 0:
+        out.append(text[pos:a])
+        b = text.find("</think>", a)
+        if b < 0:
+            return " ".join(out)
+        pos = b + len("</think>")
+    return " ".join(out + [text[pos:]])
+
+
 def left_pad(seqs: list[list[int]], pad_id: int, device):
     n = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)

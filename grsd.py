@@ -22,26 +22,34 @@ Deviations / choices:
   * A reflection is valid iff it holds the numbered points 1., 2., 3. (parse_reflection); a judge reply is valid iff
     it is one digit 0-3, optionally "Score:"-prefixed or followed by '.' (parse_judge). Invalid ones are excluded
     from Norm and get A_ref = 0 (Alg. 1 l.8-11); they still count in L_ref's 1/G (their surrogate term is 0).
-  * Reflections are sampled at the rollout temperature so that ρ on their tokens is a ratio to the sampling
-    policy; guidance z_x is sampled the same way (Eq. 6 writes z_x ∼ π_θ̄). Empty guidance deactivates the group.
+  * Reflections are sampled like the rollouts (temperature, top_p; 1 and 1 by default, when ρ on their tokens is
+    exactly a ratio to the sampling distribution); z_x is sampled the same way (Eq. 6: z_x ∼ π_θ̄). Empty guidance
+    deactivates the group. <think> blocks are dropped from reflections, judge replies and guidance (with the
+    policy as judge on a thinking model such as Qwen3, turn thinking off in its chat template or 16 tokens will
+    rarely reach the digit). Reflection, judge and guidance prompts are limited to 8096 tokens (Table 5; over-long
+    ones lose their middle turns and are counted); the teacher limit is the student's plus the guidance budget, so
+    the student context inside it is never cut (Table 5 gives 4096).
   * 'w/o group-reflective guidance' (--guidance none) keeps the GRPO advantage: the paper's variant used a
     reference solution, which these environments do not provide. 'w/o group aggregation' puts the raw valid
     reflections of the group, labelled by outcome, in the teacher context. 'w/o failed reflections' builds z_x
-    from S+ only; m_x stays the mixed-group mask of Eq. 7 in every variant.
+    from S+ only; m_x stays the mixed-group mask of Eq. 7 in every variant. In the unaggregated variant each
+    reflection gets an equal share of the guidance budget, so the failed ones are not the part cut off.
   * Token-level modulation uses per-token Δ and D_x over the group's valid tokens; trajectory-level uses one Δ
     per rollout (mean over all its action tokens) and D_x over the group's rollouts.
   * Norm_G (Eq. 1) uses the population variance; a tied group gets exactly 0. ε_adv = ε_gap = 1e-6 (not given).
   * q = sign(A)Δ is computed in float64 and capped at 80 before exp (never binds for real log-prob gaps).
   * Aggregation with mini-batches of turns: each token weighs 1/N_i and a mini-batch's task loss is divided by the
-    sum of those weights over the mini-batch (all ranks), i.e. its number of whole trajectories; with one mini-batch
-    this is Eq. (13) exactly. The KL term uses the same weights on task tokens; L_ref weighs each reflection's
-    tokens 1/|s_i| and divides by the number of reflections in the mini-batch (reflections are spread evenly over
-    the mini-batches and enter the same backward pass).
+    sum of those weights over the mini-batch (all ranks): Σ_i (tokens of τ_i in the mini-batch)/N_i, which is the
+    number of trajectories when it holds whole trajectories; with one mini-batch this is Eq. (13) exactly. The KL
+    term uses the same weights on task tokens; L_ref weighs each reflection's tokens 1/|s_i| and divides by the
+    number of reflections in the mini-batch (reflections are spread evenly over the mini-batches and enter the
+    same backward pass; those with A_ref = 0 add exactly 0 and skip the forward pass).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (SDAR / verl defaults, App. C).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -73,6 +81,7 @@ class Args:
     judge_model: str = arg("deepseek-v4-flash", "model name sent to the judge endpoint")
     judge_max_tokens: int = arg(16, "judge max new tokens (paper 16, temperature 0)")
     reflection_max_tokens: int | None = arg(None, "reflection / guidance max new tokens (default: max_response_len)")
+    reflection_prompt_len: int | None = arg(None, "reflection / judge / guidance prompt tokens (Table 5: 8096)")
     obs_chars: int = arg(400, "observations are truncated to this many characters in serialized trajectories")
     # Stage B + modulation (§3.3)
     guidance: str = arg("group", "group | none | unaggregated | success_only (Table 2)")
@@ -110,13 +119,13 @@ class Args:
 
 PAPER = {  # §4.1, App. C
     "alfworld": dict(updates=240, tasks_per_update=16, group_size=8, max_prompt_len=2048, max_response_len=512,
-                     max_steps=50, micro_batch=8, eval_every=10, eval_tasks=140),
+                     max_steps=50, reflection_prompt_len=8096, micro_batch=8, eval_every=10, eval_tasks=140),
     "search": dict(updates=240, tasks_per_update=128, group_size=8, max_prompt_len=4096, max_response_len=512,
-                   max_steps=4, micro_batch=8, eval_every=10, eval_tasks=500),
+                   max_steps=4, reflection_prompt_len=8096, micro_batch=8, eval_every=10, eval_tasks=500),
 }
 PAPER["household"] = PAPER["alfworld"]
 TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
-            reflection_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps
+            reflection_max_tokens=48, reflection_prompt_len=2048, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps
 
 
 def resolve(args: Args) -> Args:
@@ -186,7 +195,7 @@ def turn_modulation(adv, delta, group, mixed, lam: float, g_hat: float, eps_gap:
 def grpo_surrogate(logp, old_logp, adv, mask, weight, clip_eps: float, denom):
     """The clipped surrogate of Eq. (2)/(13) with the paper's aggregation: Σ_tokens ω·(−φ_ε(ρ, A)) / denom, where ω
     is the token's weight (1/N_i of its trajectory, broadcast [B, 1] or [B, R]) and denom = Σ ω over the mini-batch
-    (= its number of trajectories). adv may be per sequence [B, 1] or per token [B, R]."""
+    (its number of trajectories when it holds whole ones). adv may be per sequence [B, 1] or per token [B, R]."""
     per_token = C.clipped_surrogate(logp, old_logp, adv, clip_eps)
     return (per_token * mask * weight).sum() / (denom if denom > 0 else 1.0)
 
@@ -265,18 +274,19 @@ JUDGE_RE = re.compile(r"\s*(?:score\s*[:=]?\s*)?([0-3])\s*[.!)]?\s*", re.I)
 
 
 def parse_reflection(text: str | None) -> str | None:
-    """A reflection is valid iff its numbered points, in order, are exactly 1, 2, 3. Returns the text or None."""
-    if not text:
-        return None
+    """A reflection is valid iff, outside <think> blocks, its numbered points (at line starts) are exactly 1, 2, 3
+    in order. Returns that text (the reasoning dropped) or None."""
+    text = C.strip_thinking(text).strip() if isinstance(text, str) else ""
     points = [int(n) for n in POINT_RE.findall(text)]
-    return text.strip() if points == [1, 2, 3] else None
+    return text if points == [1, 2, 3] else None
 
 
 def parse_judge(text: str | None) -> int | None:
     """r_ref ∈ {0,1,2,3} (Eq. 4) from a judge reply: one digit, optionally 'Score:'-prefixed or followed by '.'
-    (markdown '*' ignored);
-    anything else (empty, out of range, words, long text) is invalid → None."""
-    m = JUDGE_RE.fullmatch(text.replace("*", "")) if isinstance(text, str) and len(text) <= 64 else None
+    (markdown '*' and <think> blocks ignored); anything else (empty, out of range, words, long text) is
+    invalid → None."""
+    text = C.strip_thinking(text).replace("*", "") if isinstance(text, str) else ""
+    m = JUDGE_RE.fullmatch(text) if len(text) <= 64 else None
     return int(m.group(1)) if m else None
 
 
@@ -296,18 +306,26 @@ class Sample:
     weight: float                  # 1/N_i (turns) or 1/|s_i| (reflections)
 
 
-def generate_texts(engine, texts: list[str], max_prompt: int, max_new: int, temperature: float):
-    """θ_old in a non-acting role; returns (prompt ids, response ids, decoded text) per input."""
-    prompts = [C.encode_prompt(engine.tok, t, max_prompt)[0] for t in texts]
-    responses = engine.generate(prompts, max_new, temperature) if prompts else []
+def generate_texts(engine, texts: list[str], max_prompt: int, max_new: int, temperature: float, top_p: float = 1.0,
+                   counts: Counter | None = None, key: str = ""):
+    """θ_old in a non-acting role; returns (prompt ids, response ids, decoded text) per input. Over-long prompts lose
+    their middle (common.encode_prompt); how many is added to counts[key]."""
+    encoded = [C.encode_prompt(engine.tok, t, max_prompt) for t in texts]
+    if counts is not None:
+        counts[key] += sum(used != t for t, (_, used) in zip(texts, encoded))
+    prompts = [ids for ids, _ in encoded]
+    responses = engine.generate(prompts, max_new, temperature, top_p) if prompts else []
     return prompts, responses, [engine.tok.decode(r, skip_special_tokens=True) for r in responses]
 
 
-def reflect_and_judge(trajs, engine, args, client, timer):
-    """Stage A (Eq. 3-4, Alg. 1 l.6-11): reflections s_i, their validity, judge scores r_ref (None = ⊥)."""
+def reflect_and_judge(trajs, engine, args, client, timer, counts: Counter | None = None):
+    """Stage A (Eq. 3-4, Alg. 1 l.6-11): reflections s_i, their validity, judge scores r_ref (None = ⊥). Sampled like
+    the rollouts (temperature, top_p), so ρ on reflection tokens is a ratio to the distribution that sampled them
+    exactly when those are 1 (as for the task tokens)."""
     with timer("reflection"):
         p_ids, r_ids, texts = generate_texts(engine, [reflection_prompt(tr, args.obs_chars) for tr in trajs],
-                                             2 * args.max_prompt_len, args.reflection_max_tokens, args.temperature)
+                                             args.reflection_prompt_len, args.reflection_max_tokens, args.temperature,
+                                             args.top_p, counts, "reflection_truncated")
     reflections = [parse_reflection(t) for t in texts]
     rows = [i for i, s in enumerate(reflections) if s is not None]
     asks = [judge_prompt(trajs[i], reflections[i], args.obs_chars) for i in rows]
@@ -315,14 +333,14 @@ def reflect_and_judge(trajs, engine, args, client, timer):
         if client is not None:
             replies = client.complete_many(asks, 0.0, args.judge_max_tokens)
         else:
-            replies = engine.generate_text(asks, 2 * args.max_prompt_len, args.judge_max_tokens, 0.0) if asks else []
+            replies = engine.generate_text(asks, args.reflection_prompt_len, args.judge_max_tokens, 0.0) if asks else []
     scores: list[int | None] = [None] * len(trajs)
     for i, reply in zip(rows, replies):
         scores[i] = parse_judge(reply)
     return p_ids, r_ids, reflections, scores
 
 
-def group_guidance(trajs, reflections, scores, engine, args, timer):
+def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Counter | None = None):
     """Stage B (Eq. 5-7, Alg. 1 l.13-16): m_x and z_x per rank-local group (None where inactive), and the number of
     active groups whose sampled guidance came out empty (they fall back to GRPO)."""
     groups = sorted({tr.group for tr in trajs})
@@ -334,14 +352,19 @@ def group_guidance(trajs, reflections, scores, engine, args, timer):
     active = [g for g in groups if mixed[g] and args.guidance != "none" and args.lambda_mod > 0]
     task = {tr.group: tr.task for tr in trajs}
     guidance: dict[int, str | None] = {g: None for g in groups}
-    if args.guidance == "unaggregated":
-        guidance.update({g: unaggregated_guidance(good[g], bad[g]) for g in active})
+    if args.guidance == "unaggregated":  # each reflection gets an equal share of the guidance budget
+        for g in active:
+            frame = len(engine.tok(unaggregated_guidance([""] * len(good[g]), [""] * len(bad[g])))["input_ids"])
+            share = max((args.guidance_max_tokens - frame) // (len(good[g]) + len(bad[g])) - 1, 1)
+            cut = lambda rs: [engine.tok.decode(engine.tok(r, add_special_tokens=False)["input_ids"][:share])  # noqa: E731
+                              for r in rs]
+            guidance[g] = unaggregated_guidance(cut(good[g]), cut(bad[g]))
     elif active:
         asks = [guidance_prompt(task[g], good[g], [] if args.guidance == "success_only" else bad[g]) for g in active]
         with timer("guidance"):                                                                      # Eq. (6)
-            _, _, texts = generate_texts(engine, asks, 2 * args.max_prompt_len, args.reflection_max_tokens,
-                                         args.temperature)
-        guidance.update({g: (z.strip() or None) for g, z in zip(active, texts)})
+            _, _, texts = generate_texts(engine, asks, args.reflection_prompt_len, args.reflection_max_tokens,
+                                         args.temperature, args.top_p, counts, "guidance_truncated")
+        guidance.update({g: (C.strip_thinking(z).strip() or None) for g, z in zip(active, texts)})
     return mixed, guidance, sum(guidance[g] is None for g in active)
 
 
@@ -467,14 +490,15 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                          delta_turn.sum().item(), float(delta_turn.numel()), (a_hat - a_plain).abs().sum().item(),
                          float(a_hat.numel())], d.device)
     pg, kl, lref, n_tok, d_abs, d_sum, n_d, dev, n_a = vals
-    lo, hi = (w_ratio.min().item(), w_ratio.max().item()) if w_ratio.numel() else (1.0, 1.0)
-    w_lo = C.all_reduce(torch.tensor([lo], device=d.device), ReduceOp.MIN)
-    w_hi = C.all_reduce(torch.tensor([hi], device=d.device), ReduceOp.MAX)
+    lo, hi = (w_ratio.min().item(), w_ratio.max().item()) if w_ratio.numel() else (math.inf, -math.inf)
+    w_lo = C.all_reduce(torch.tensor([lo], device=d.device), ReduceOp.MIN).item()  # ranks without A ≠ 0 are neutral
+    w_hi = C.all_reduce(torch.tensor([hi], device=d.device), ReduceOp.MAX).item()
     return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref / n_mb,
             "losses/total": (pg + args.beta_kl * kl + args.alpha * lref) / n_mb,
             "grsd/delta_mean": d_sum / max(n_d, 1), "grsd/delta_abs_mean": d_abs / max(n_d, 1),  # Fig. 3b, per turn
             "grsd/adv_shift_abs": dev / max(n_a, 1),                      # mean |Â − A| over task tokens
-            "grsd/weight_min": w_lo.item(), "grsd/weight_max": w_hi.item(),  # w = Â/A ∈ [1 − λĜ, 1 + λĜ]
+            "grsd/weight_min": w_lo if math.isfinite(w_lo) else 1.0,   # w = Â/A ∈ [1 − λĜ, 1 + λĜ]
+            "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok}
 
 
@@ -512,19 +536,22 @@ def main(args: Args):
             for i, v in zip(members, a.tolist()):
                 adv[i] = v
         fails_before = client.failures if client else 0
-        refl = reflect_and_judge(trajs, engine, args, client, timer)               # l.5-11
-        mixed, guidance, n_empty = group_guidance(trajs, refl[2], refl[3], engine, args, timer)  # l.12-16
+        counts = Counter()
+        refl = reflect_and_judge(trajs, engine, args, client, timer, counts)       # l.5-11
+        mixed, guidance, n_empty = group_guidance(trajs, refl[2], refl[3], engine, args, timer, counts)  # l.12-16
         turns, refls = build_samples(trajs, adv, refl, guidance, tok, args)
         row = {"update": update, **grsd_update(policy, ref, opt, turns, refls, args, d, timer)}
         scores = [s for s in refl[3] if s is not None]
         s = C.global_sum([len(trajs), sum(x is not None for x in refl[2]), len(scores), sum(scores),
                           len(groups), sum(mixed.values()), sum(z is not None for z in guidance.values()), n_empty,
                           (client.failures - fails_before) if client else 0,
-                          sum(len({tr.won for tr in trajs if tr.group == g}) == 2 for g in groups)], d.device)
+                          sum(len({tr.won for tr in trajs if tr.group == g}) == 2 for g in groups),
+                          counts["reflection_truncated"], counts["guidance_truncated"]], d.device)
         row.update({"reflection/valid_rate": s[1] / max(s[0], 1), "reflection/judged_rate": s[2] / max(s[0], 1),
                     "reflection/reward_mean": s[3] / max(s[2], 1),            # Fig. 9a
                     "guidance/valid_group_ratio": s[5] / max(s[4], 1),         # Fig. 9b: m_x = 1 (Alg. 1 l.15)
                     "guidance/mixed_outcome_ratio": s[9] / max(s[4], 1),       # groups with wins and losses
+                    "reflection/truncated_prompts": s[10], "guidance/truncated_prompts": s[11],
                     "guidance/active_groups": s[6], "guidance/empty": s[7], "judge/endpoint_failures": s[8],
                     "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
                     **C.rollout_metrics(trajs, d)})

@@ -299,24 +299,15 @@ def _step_index(key) -> int | None:
     return int(m.group(1)) if len(m.group(1)) < 19 else -1  # absurdly long numbers are simply out of range
 
 
-def strip_thinking(text: str) -> str:
-    """Drop closed <think>…</think> blocks (linear scan): a draft JSON inside the reasoning is not the answer."""
-    out, pos = [], 0
-    while (a := text.find("<think>", pos)) >= 0 and (b := text.find("</think>", a)) >= 0:
-        out.append(text[pos:a])
-        pos = b + len("</think>")
-    return " ".join(out + [text[pos:]])
-
-
 def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[Analysis | None, Counter]:
     """A(τ) = (s^ep_τ, {s^step_τ,t}_{t ∈ C_τ}) from an analyzer reply. Returns (analysis or None, event counts).
-    None when there is no JSON object with a non-empty episode skill (closed <think> blocks are ignored). Step
+    None when there is no JSON object with a non-empty episode skill (<think> blocks are ignored). Step
     skills are dropped when the index is not one of the trajectory's steps 0..n_steps−1 (out_of_range) or is
     unreadable (bad_key), the skill is empty or not a string (bad_skill), or the index repeats (duplicate); past
     `max_critical` the rest are cut in the order written (truncated)."""
     events = Counter()
     text = text if isinstance(text, str) else ""
-    obj = find_json_object(strip_thinking(text))
+    obj = find_json_object(C.strip_thinking(text))  # a draft JSON inside the reasoning is not the answer
     episode = _clean(_pick(obj, EPISODE_KEYS)) if obj is not None else None
     if episode is None:
         events["no_json" if obj is None else "no_episode_skill"] += 1

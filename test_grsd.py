@@ -502,7 +502,8 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
 
 
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
-    """Each of 2 FSDP ranks holds one group; the step equals the 1-process step on the whole batch."""
+    """Each of 2 FSDP ranks holds one group and runs micro-batches of 1 (unequal chunk counts, so padding chunks);
+    the step equals the 1-process step on the whole batch in one micro-batch."""
     single = cached_update(d, tok, batch, **MAIN)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "test_grsd.py"), str(tmp_path / "two.pt")]
@@ -592,6 +593,20 @@ def test_guidance_variants_by_hand(tok, batch):
     assert mixed == {0: False, 1: False} and guidance == {0: None, 1: None}
 
 
+def test_unaggregated_guidance_keeps_every_reflection_within_the_budget(tok, batch):
+    """Long reflections: each of the 3 valid ones of group 0 gets an equal share of guidance_max_tokens, so the failed
+    ones (written last) are not the part that the budget cuts off."""
+    trajs, refl = batch
+    long = [None if r is None else r + " Then " + "check the countertop again carefully. " * 60 for r in refl[2]]
+    args = make_args(guidance="unaggregated", guidance_max_tokens=120)
+    _, guidance, _ = grsd.group_guidance(trajs, long, refl[3], ScriptedEngine(tok, [GUIDE]), args, C.Timer())
+    z = guidance[0]
+    assert z.count("From a successful attempt:") == 1 and z.count("From a failed attempt:") == 2
+    assert len(tok(z, add_special_tokens=False)["input_ids"]) <= 120
+    turns, _ = grsd.build_samples(trajs, A_TASK, refl, guidance, tok, args)
+    assert C.chat_ids(tok, grsd.inject_guidance(trajs[0].turns[0].prompt_text, z)) == turns[0].teacher_ids
+
+
 # ------------------------------------------------------------------------------------------------ 6. parsers
 
 JUDGE_CASES = [
@@ -601,6 +616,7 @@ JUDGE_CASES = [
     ("", None), (None, None), ("7", None), ("4", None), ("three", None), ("2/3", None), ("1 2", None),
     ("-1", None), ("Score: 3/3", None), ("2.5", None), ("The reflection names the decisive turn: 3", None),
     ("1 2 3 " * 2000 + "\n", None),  # 10 KB containing digits
+    ("<think>\n\n</think>\n\n2", 2), ("<think>the reflection is decent, maybe 2 or 3", None),  # thinking judges
     ("Score: 2" + " " * 10_000, None),
 ]
 
@@ -624,6 +640,8 @@ REFLECTION_CASES = [  # the documented rule: the numbered points (at line starts
     ("1. Go first. 2. Take it. 3. Put it.", None),  # not numbered points at line starts
     ("- 1. Go first.\n- 2. Take it.\n- 3. Put it.", None),
     ("", None), (None, None), ("   \n", None),
+    ("<think>\nPlan: 1. recall turns\n2. find the mistake\n</think>\n" + P3, P3),  # reasoning dropped
+    ("<think>\n" + P3, None),  # unclosed reasoning: the points are inside it
 ]
 
 
@@ -802,7 +820,8 @@ def test_grsd_runs_real_benchmark_episodes(env_name, data, tmp_path):
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update
     dist_ = C.init_distributed(seed=0)
     tok_ = C.load_tokenizer("tiny")
-    out_ = run_update(dist_, tok_, grsd_batch(tok_), **MAIN)
+    # micro_batch 1: the ranks run different numbers of real chunks, so the shorter one runs padding chunks
+    out_ = run_update(dist_, tok_, grsd_batch(tok_), **{**MAIN, "micro_batch": 1})
     if dist_.main:
         torch.save({"row": out_.row, "params": out_.params}, sys.argv[1])
     C.shutdown()
