@@ -77,9 +77,19 @@ def init_distributed(seed: int, timeout_minutes: int = 30) -> Dist:
 
 
 def shutdown():
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """Barrier, destroy the process group, then rank 0, which hosts the rendezvous store, leaves last. Seen here: rank
+    0 leaving while another rank still tears down can abort it ("terminate called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()  # outlives the process group
+    dist.barrier()
+    dist.destroy_process_group()
+    if world > 1:
+        store.add("ranks_done", 1)
+        deadline = time.time() + 60
+        while rank == 0 and store.add("ranks_done", 0) < world and time.time() < deadline:
+            time.sleep(0.01)
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
