@@ -378,6 +378,7 @@ def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], 
     p_ids, r_ids, reflections, scores = refl
     teacher_len = teacher_limit(args)
     turns, refls = [], []
+    a_ref = group_norm(trajs, scores, args.eps_adv)                                 # Alg. 1 l.10-11
     for i, tr in enumerate(trajs):
         z = guidance.get(tr.group)
         if z is not None:
@@ -388,17 +389,21 @@ def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], 
             teacher = C.encode_prompt(tok, inject_guidance(turn.prompt_text, z), teacher_len)[0] if z else None
             turns.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv[i], i, tr.group, 1.0 / max(n_i, 1)))
         if args.alpha > 0 and r_ids[i]:
-            refls.append(Sample(p_ids[i], r_ids[i], None, refl_adv_of(i, trajs, scores, args), i, tr.group,
-                                1.0 / len(r_ids[i])))
+            refls.append(Sample(p_ids[i], r_ids[i], None, a_ref[i], i, tr.group, 1.0 / len(r_ids[i])))
     return turns, refls
 
 
-def refl_adv_of(i, trajs, scores, args) -> float:
-    """A_ref_i = Norm over the valid reflections of i's group (Alg. 1 l.10-11), 0 if i's is invalid."""
-    members = [j for j, tr in enumerate(trajs) if tr.group == trajs[i].group]
-    r = torch.tensor([float(scores[j]) if scores[j] is not None else 0.0 for j in members])
-    valid = torch.tensor([scores[j] is not None for j in members])
-    return norm_g(r, args.eps_adv, valid)[members.index(i)].item()
+def group_norm(trajs, values, eps_adv: float) -> list[float]:
+    """Norm_G (Eq. 1) within every rank-local group: A_i from rewards (Alg. 1 l.4), or A_ref from judge scores where
+    None (⊥) marks an invalid entry: excluded from the statistics and given 0 (l.10-11)."""
+    out = [0.0] * len(trajs)
+    for g in sorted({tr.group for tr in trajs}):
+        members = [i for i, tr in enumerate(trajs) if tr.group == g]
+        v = torch.tensor([float(values[i]) if values[i] is not None else 0.0 for i in members])
+        valid = torch.tensor([values[i] is not None for i in members])
+        for i, a in zip(members, norm_g(v, eps_adv, valid).tolist()):
+            out[i] = a
+    return out
 
 
 def modulated_advantages(turns: list[Sample], old, tea, args):
@@ -529,12 +534,7 @@ def main(args: Args):
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
         groups = sorted({tr.group for tr in trajs})
-        adv = [0.0] * len(trajs)                                                     # l.4: A_i = Norm_G(R_i)
-        for g in groups:
-            members = [i for i, tr in enumerate(trajs) if tr.group == g]
-            a = norm_g(torch.tensor([trajs[i].reward for i in members]), args.eps_adv)
-            for i, v in zip(members, a.tolist()):
-                adv[i] = v
+        adv = group_norm(trajs, [tr.reward for tr in trajs], args.eps_adv)          # l.4: A_i = Norm_G(R_i)
         fails_before = client.failures if client else 0
         counts = Counter()
         refl = reflect_and_judge(trajs, engine, args, client, timer, counts)       # l.5-11

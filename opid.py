@@ -467,12 +467,12 @@ def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
     any parameter update (θ = θ_old). Returns three lists of 1-D CPU tensors (ℓ_skill = ℓ_old where no skill)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device)
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)
+        old = C.score(policy, P, R, args.micro_batch, d.device)        # l.18: ℓ_old = log π_θold(y | h)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)        # π_ref, for the β·KL term (§3.4)
     skill = list(old)
     if args.lambda_skill > 0:
         rows = [i for i, s in enumerate(samples) if s.teacher_ids]
-        with timer("teacher"):
+        with timer("teacher"):                                         # l.19: ℓ_skill = log π_θold(y | H(h, s))
             scored = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch,
                              d.device)
         for i, lp in zip(rows, scored):
@@ -517,13 +517,13 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))              # l.31
     keys = sorted(sums)
     tot = Counter(dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device))))
-    n_tok, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
+    n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
     return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb,
             "losses/total": (tot["pg"] + args.beta_kl * tot["kl"]) / n_mb,
-            "adv/episode_abs": tot["ep_abs"] / n_tok,          # Fig. 8: mean |A_ep| over valid tokens
-            "adv/skill_abs": tot["skill_abs"] / n_tok,         # Fig. 8: mean |λ_skill A_skill| over valid tokens
+            "adv/episode_abs": tot["ep_abs"] / n_all,          # Fig. 8: mean |A_ep| over valid tokens
+            "adv/skill_abs": tot["skill_abs"] / n_all,         # Fig. 8: mean |λ_skill A_skill| over valid tokens
             "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
-            "skill/token_frac": tot["skill_tokens"] / n_tok,
+            "skill/token_frac": tot["skill_tokens"] / n_all,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
 
 
