@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
-hf_logging.disable_progress_bar()  # one progress bar per run: ours (Metrics)
+hf_logging.disable_progress_bar()  # one progress bar per run: ours (Run)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Distributed setup: plain `python` (a 1-rank gloo group) or `torchrun` (gloo on CPU, nccl on GPU)
@@ -216,17 +217,6 @@ def full_state_dict_iter(model):
         yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
-def save_checkpoint(model, tok, path: str, d: Dist):
-    """An HF directory loadable with AutoModelForCausalLM.from_pretrained (DESIGN.md §6: FSDP2 state dict)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if d.main:
-        os.makedirs(path, exist_ok=True)
-        model.save_pretrained(path, state_dict=sd)
-        tok.save_pretrained(path)
-    dist.barrier()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Rollout engine. One interface: sync(weights from the FSDP model) and generate(prompt ids) -> response ids.
 # HFEngine is a plain, unsharded copy of the policy on each rank (so rollouts need no collectives). A vLLM
@@ -393,16 +383,24 @@ def rollout_metrics(trajs: list[Trajectory], d: Dist, prefix: str = "charts/") -
             prefix + "invalid_action_rate": s[4] / max(s[3], 1), prefix + "response_tokens": s[5] / max(s[3], 1)}
 
 
-def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_response, temperature) -> dict:
-    """Held-out success per task family; the overall number weighs families equally (SEED Eq. 16)."""
+def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_response, temperature, seed) -> dict:
+    """Held-out success: per task family, over all instances (`eval/success`, GRSD's average) and with families
+    weighted equally (`eval/success_family_avg`, SEED Eq. 16). Sampling draws from its own stream seeded by `seed`,
+    so a checkpoint scores the same during training and with --eval_only, and eval never shifts the training RNG."""
     mine = task_ids[d.rank::d.world]
-    trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0) if mine else ([], 0)
+    with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):
+        torch.manual_seed(seed + d.rank)
+        trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0) if mine \
+            else ([], 0)
     per_family: dict[str, list[int]] = {}
     for part in all_gather_objects([(tr.family, tr.won) for tr in trajs]):
         for fam, won in part:
             per_family.setdefault(fam, []).append(int(won))
     out = {f"eval/success/{f}": sum(v) / len(v) for f, v in sorted(per_family.items())}
-    out["eval/success"] = sum(out.values()) / max(len(out), 1)
+    wins = [w for v in per_family.values() for w in v]
+    out["eval/success_family_avg"] = sum(out.values()) / max(len(out), 1)
+    out["eval/success"] = sum(wins) / max(len(wins), 1)
+    out.update({k: v for k, v in rollout_metrics(trajs, d, "eval/").items() if k != "eval/success_rate"})
     return out
 
 
@@ -491,29 +489,240 @@ def clip_and_step(model, optimizer, max_norm: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Metrics: one JSON line per update, plus a tqdm bar on rank 0
+# The run directory: resumable checkpoints, one metrics row per update (JSONL, bar, tracker), eval-only scoring
 # ----------------------------------------------------------------------------------------------------------------
 
+STATE = "trainer_state"  # the folder inside an HF checkpoint that makes it resumable
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # each is also the pip package it needs
+PROJECT = "skill-distill"  # the tracker project every run logs to (run name: method + out_dir)
 
-class Metrics:
-    def __init__(self, path: str, d: Dist, total: int, desc: str):
+
+def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = None, files: dict | None = None):
+    """A checkpoint: an HF directory (full weights + tokenizer, AutoModelForCausalLM.from_pretrained loads it) with
+    trainer_state/ inside: the full AdamW state (optimizer.pt, FSDP2 full state dict: independent of world size),
+    every rank's Python/torch RNG (rng_rank{r}.pt) and meta.json (`next_update`, the row of the update it closes).
+    Written to `path.tmp`, fsync'd, then renamed: a kill while saving leaves nothing that looks complete. Collective."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # plain CPU tensors on rank 0, nothing elsewhere
+    tmp = path + ".tmp"
+    if d.main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during an earlier save
+        os.makedirs(os.path.join(tmp, STATE))
+    dist.barrier()
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if d.device.type == "cuda" else None}
+    torch.save(rng, os.path.join(tmp, STATE, f"rng_rank{d.rank}.pt"))
+    sd = get_model_state_dict(policy, options=full)
+    osd = get_optimizer_state_dict(policy, opt, options=full) if opt is not None else None
+    if d.main:
+        policy.save_pretrained(tmp, state_dict=sd)  # (empties sd: DESIGN.md §6)
+        tok.save_pretrained(tmp)
+        if osd is not None:
+            torch.save(osd, os.path.join(tmp, STATE, "optimizer.pt"))
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        with open(os.path.join(tmp, STATE, "meta.json"), "w") as f:
+            json.dump({**(meta or {}), "world_size": d.world}, f)
+    dist.barrier()  # every rank's RNG file is written
+    if d.main:
+        for root, _, names in os.walk(tmp):  # on disk before the rename, so a node crash cannot reorder them
+            for name in names:
+                with open(os.path.join(root, name), "rb+") as f:
+                    os.fsync(f.fileno())
+        if os.path.exists(path):  # a finished run extended with more updates replaces its `final`
+            shutil.rmtree(path + ".old", ignore_errors=True)
+            os.rename(path, path + ".old")
+        os.rename(tmp, path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
+    dist.barrier()
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, STATE, "meta.json")) as f:
+        return json.load(f)
+
+
+def latest_state(out_dir: str) -> str | None:
+    """The resumable checkpoint in out_dir with the most updates done (every one there is complete: save_state)."""
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    found = [(read_meta(p)["next_update"], p) for p in (os.path.join(out_dir, n) for n in names)
+             if not p.endswith(".tmp") and os.path.isfile(os.path.join(p, STATE, "meta.json"))]
+    return max(found)[1] if found else None
+
+
+def restore_state(path: str, policy, opt, d: Dist) -> dict:
+    """Into a freshly built run (weights already loaded from `path` by load_model): the optimizer state, broadcast
+    from rank 0, and this rank's RNG streams. torch.load(weights_only=True): tensors and plain containers only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    meta, optim = read_meta(path), os.path.join(path, STATE, "optimizer.pt")
+    if opt is not None and os.path.isfile(optim):
+        osd = torch.load(optim, map_location="cpu", weights_only=True) if d.main else {}
+        set_optimizer_state_dict(policy, opt, osd,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if meta["world_size"] == d.world:
+        rng = torch.load(os.path.join(path, STATE, f"rng_rank{d.rank}.pt"), weights_only=True)
+        version, state, gauss = rng["python"]
+        random.setstate((version, tuple(state), gauss))
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and d.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+    elif d.main:
+        print(f"[resume] {path} was saved by {meta['world_size']} ranks, this run has {d.world}: weights and "
+              f"optimizer resume exactly, the sampling streams start again from the seed")
+    return meta
+
+
+def check_run_args(args, cls):
+    """Checks that need no model, made before anything loads: declared choices, the tracker's package, and an
+    out_dir that already holds a run (never overwritten silently)."""
+    import dataclasses
+    import importlib.util
+    for f in dataclasses.fields(cls):
+        choices = f.metadata.get("choices")
+        if choices and getattr(args, f.name) not in choices:
+            raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {getattr(args, f.name)!r}")
+    if args.track != "none" and importlib.util.find_spec(args.track) is None:
+        raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
+    if args.resume + args.overwrite + args.eval_only > 1:
+        raise SystemExit("--resume, --overwrite and --eval_only exclude each other")
+    if os.path.isfile(os.path.join(args.out_dir, "metrics.jsonl")) and not (args.resume or args.overwrite):
+        raise SystemExit(f"{args.out_dir} already holds a run (metrics.jsonl): pass --resume to continue it, "
+                         f"--overwrite to delete it and start over, or another --out_dir")
+
+
+class Tracker:
+    """The same rows to TensorBoard, W&B or Trackio (JSONL stays the record of truth); imported only when asked."""
+
+    def __init__(self, kind: str, out_dir: str, name: str, run_id: str, config: dict, first_step: int | None):
+        self.kind = kind
+        if kind == "tensorboard":  # purge_step: a resumed run replaces the steps it redoes
+            from torch.utils.tensorboard import SummaryWriter
+            self.w = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=first_step)
+        elif kind == "wandb":
+            import wandb
+            self.w = wandb.init(project=PROJECT, name=name, id=run_id, resume="allow", config=config, dir=out_dir)
+        else:
+            import trackio
+            self.w = trackio.init(project=PROJECT, name=name, config=config, resume="allow")
+
+    def log(self, row: dict, step: int):
+        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.kind == "tensorboard":
+            for k, v in scalars.items():
+                self.w.add_scalar(k, v, step)
+            self.w.flush()
+        else:
+            self.w.log(scalars, step=step)
+
+    def close(self):
+        self.w.close() if self.kind == "tensorboard" else self.w.finish()
+
+
+class Run:
+    """A run's out_dir from start to end: refuses to clobber an earlier run (check_run_args), with --resume picks
+    the latest complete state and keeps the metrics rows before it, writes args.json, one row per update to
+    metrics.jsonl / the bar / the tracker, and resumable checkpoints. Every rank builds it; rank 0 writes."""
+
+    def __init__(self, args, method: str, d: Dist, total: int):
         from tqdm import tqdm
-        self.d, self.path = d, path
-        self.bar = tqdm(total=total, desc=desc, disable=not d.main, dynamic_ncols=True)
-        if d.main:  # a new run starts a new file
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            open(path, "w").close()
+        self.args, self.method, self.d, self.out = args, method, d, args.out_dir
+        self.path = os.path.join(args.out_dir, "metrics.jsonl")
+        self.state = latest_state(args.out_dir) if args.resume else None
+        meta = read_meta(self.state) if self.state else {}
+        self.start = meta.get("next_update", 0)  # the first update this process runs
+        if self.state and os.path.basename(self.state) == "final":  # a finished run extended: its final/ becomes
+            renamed = os.path.join(self.out, f"update{self.start}")  # update{k}/, the new last update writes final/
+            if d.main:
+                os.rename(self.state, renamed)
+            self.state = renamed
+        rows, old = [], self._json(os.path.join(args.out_dir, "args.json")) if args.resume else {}
+        run_id = old.get("run_id") or f"{method}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16 ** 6):06x}"
+        if d.main:
+            if args.overwrite and os.path.isdir(self.out):  # the earlier run's rows and checkpoints go; nothing
+                for p in [self.path] + [os.path.join(self.out, n) for n in os.listdir(self.out)
+                                        if os.path.isdir(os.path.join(self.out, n, STATE)) or n == "tensorboard"]:
+                    # else in out_dir is touched
+                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+            if self.state:  # keep the rows of the updates the state contains; recover its own row if a kill
+                rows = [r for r in self._rows() if r.get("update", -1) < self.start]  # came before it was logged
+                if not any(r.get("update", -1) == meta["row"].get("update", -1) for r in rows):
+                    rows.append(meta["row"])
+            os.makedirs(self.out, exist_ok=True)
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            with open(os.path.join(self.out, "args.json"), "w") as f:
+                json.dump({"method": method, "run_id": run_id, **vars(args)}, f, indent=1)
+            if args.resume:
+                print(f"[{method}] resuming {self.state} at update {self.start}" if self.state else
+                      f"[{method}] --resume: no complete state in {self.out}, starting from scratch")
+        dist.barrier()
+        self.tracker = Tracker(args.track, self.out, f"{method}:{os.path.basename(os.path.abspath(self.out))}", run_id,
+                               vars(args), self.start + 1 if self.state else None) \
+            if d.main and args.track != "none" else None
+        self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
+        self.shown: dict[str, float] = {}
+
+    @staticmethod
+    def _json(path):
+        return json.load(open(path)) if os.path.isfile(path) else {}
+
+    def _rows(self):
+        return [json.loads(line) for line in open(self.path) if line.strip()] if os.path.isfile(self.path) else []
 
     def log(self, row: dict):
-        if self.d.main:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            keys = [k for k in ("charts/success_rate", "losses/total", "time/total") if k in row]
-            self.bar.set_postfix({k.split("/")[-1]: round(row[k], 4) for k in keys})
-            self.bar.update(1)
+        """Append one row (rank 0); the bar shows training success, total loss and the latest eval success."""
+        if not self.d.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tracker:
+            self.tracker.log(row, row.get("update", -1) + 1)  # step = updates done (0: stage 1 / eval-only)
+        for key, short in (("charts/success_rate", "success"), ("losses/total", "loss"), ("eval/success", "eval")):
+            if key in row:
+                self.shown[short] = round(row[key], 4)
+        self.bar.set_postfix(self.shown)
+        self.bar.update(1)
+
+    def end_update(self, update: int, row: dict, timer, t0: float, policy, opt, tok):
+        """Close update `update`: a resumable checkpoint every save_every updates and after the last (`final`), then
+        its row. The checkpoint carries the row too, for a kill between the two."""
+        last = update + 1 == self.args.updates
+        if (update + 1) % self.args.save_every == 0 or last:
+            name = "final" if last else f"update{update + 1}"
+            with timer("save"):
+                save_state(os.path.join(self.out, name), policy, tok, self.d, opt,
+                           {"next_update": update + 1, "row": {**row, **timer.as_metrics()}})
+                if self.d.main:  # one optimizer state on disk: older checkpoints stay plain HF directories
+                    for p in (os.path.join(self.out, n) for n in os.listdir(self.out) if n != name):
+                        if os.path.isdir(os.path.join(p, STATE)) and read_meta(p)["next_update"] > 0:
+                            shutil.rmtree(os.path.join(p, STATE))
+        row.update(timer.as_metrics())
+        row["time/total"] = time.perf_counter() - t0
+        self.log(row)
 
     def close(self):
         self.bar.close()
+        if self.tracker:
+            self.tracker.close()
+        if self.d.main:
+            ckpts = sorted(n for n in os.listdir(self.out) if os.path.isfile(os.path.join(self.out, n, "config.json")))
+            print(f"[{self.method}] metrics: {self.path} | checkpoints: {', '.join(ckpts) or 'none'} in {self.out} | "
+                  f"args: {os.path.join(self.out, 'args.json')}")
+
+
+def eval_only(args, method: str, d: Dist, tok, make_valid, valid_ids):
+    """--eval_only: score args.model (hub id, path or a run's checkpoint) on args.eval_split with `evaluate`, as
+    training does, and write one row (the papers' Vanilla row). No policy update, no FSDP copy."""
+    run, timer = Run(args, method, d, total=1), Timer()
+    engine = HFEngine(load_model(args.model, args.seed, torch.bfloat16 if args.bf16 else torch.float32), tok,
+                      d.device)
+    with timer("eval"):
+        row = evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
+                       args.eval_temperature, args.seed)
+    run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
+    run.close()
 
 
 class Timer:
@@ -602,19 +811,14 @@ def task_envs(args):
     return make_train().task_ids(), valid_ids, make_train, make_valid
 
 
-def validate_and_save(update: int, args, engine, policy, tok, make_valid, valid_ids, d: Dist, timer) -> dict:
-    """Held-out success every `eval_every` updates and after the last (θ pushed to the engine first); an HF
-    checkpoint every `save_every` updates and after the last (`final/`)."""
-    row, last = {}, update + 1 == args.updates
-    if args.eval_every and ((update + 1) % args.eval_every == 0 or last):
-        engine.sync(policy)
-        with timer("eval"):
-            row = evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
-                           args.eval_temperature)
-    if (update + 1) % args.save_every == 0 or last:
-        with timer("save"):
-            save_checkpoint(policy, tok, os.path.join(args.out_dir, "final" if last else f"update{update + 1}"), d)
-    return row
+def validate(update: int, args, engine, policy, make_valid, valid_ids, d: Dist, timer) -> dict:
+    """Held-out success every `eval_every` updates and after the last, with θ pushed to the engine first."""
+    if not args.eval_every or ((update + 1) % args.eval_every and update + 1 != args.updates):
+        return {}
+    engine.sync(policy)
+    with timer("eval"):
+        return evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
+                        args.eval_temperature, args.seed)
 
 
 def sample_tasks(task_ids: list[str], k: int, update: int, seed: int) -> list[str]:
@@ -637,24 +841,135 @@ def split_even(indices: list[int], parts: int) -> list[list[int]]:
     return [indices[i::parts] for i in range(parts)]
 
 
-def arg(default, help: str):
-    """An Args field with its help line."""
-    return field(default=default, metadata={"help": help})
+def arg(default, help: str, choices: tuple | None = None):
+    """An Args field with its help line (and its allowed values, checked by check_run_args and the CLI)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
-def parse_args(cls):
-    """A typed dataclass -> argparse CLI (`--field value`; booleans are `--flag` / `--no-flag`), CleanRL style."""
+def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):
+    """A typed dataclass -> argparse CLI (`--field value`; booleans are `--flag` / `--no-flag`), CleanRL style. Help
+    shows every default; a None default shows what it resolves to (per-env paper value, tiny-model preset)."""
     import argparse
     import dataclasses
     import typing
-    p = argparse.ArgumentParser(description=cls.__doc__)
+    p = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        help_text = f.metadata.get("help", "")
+        default = f.default
+        if default is None:
+            per_env = [f"{env} {v[f.name]}" for env, v in (paper or {}).items() if f.name in v and env != "household"]
+            per_env += [f"tiny model {tiny[f.name]}"] if f.name in (tiny or {}) else []
+            default = ", ".join(per_env) or None
+        help_text = f"{f.metadata.get('help', '')} [default: {default}]".replace("%", "%%")
+        choices = f.metadata.get("choices")
         if base is bool:
             p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            p.add_argument(f"--{f.name}", type=base, default=f.default, help=help_text)
+            p.add_argument(f"--{f.name}", type=base, default=f.default, help=help_text, choices=choices)
     return cls(**vars(p.parse_args()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Curves and comparison from the metrics files: python common.py plot RUN_DIR... -o curves.png
+#                                               python common.py compare RUN_DIR...
+# ----------------------------------------------------------------------------------------------------------------
+
+SIGNAL = {"seed": ("opd/gate_mean", "OPD gate mean"), "opid": ("adv/skill_share", "skill-advantage share"),
+          "grsd": ("grsd/weight_range", "turn-weight range")}  # each method's own signal, one line per run
+LABEL_SKIP = {"method", "run_id", "out_dir", "resume", "overwrite", "track", "eval_only"}
+
+
+def read_run(run_dir: str) -> tuple[dict, list[dict]]:
+    with open(os.path.join(run_dir, "args.json")) as f:
+        args = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return args, [json.loads(line) for line in f if line.strip()]
+
+
+def run_labels(runs: list[tuple[dict, list[dict]]], dirs: list[str]) -> list[str]:
+    """The method, plus the args in which a run differs from the other runs of the same method."""
+    labels = []
+    for args, _ in runs:
+        peers = [a for a, _ in runs if a.get("method") == args.get("method")]
+        diff = [k for k in args if k not in LABEL_SKIP and len({json.dumps(a.get(k)) for a in peers}) > 1]
+        labels.append(" ".join([args.get("method", "?")] + [f"{k}={args[k]}" for k in diff]))
+    return [f"{lab} ({os.path.basename(os.path.abspath(d))})" if labels.count(lab) > 1 else lab
+            for lab, d in zip(labels, dirs)]
+
+
+def plot_runs(run_dirs: list[str], out: str):
+    """Training success, eval success, total loss and the method's own signal per update, one line per run (an
+    --eval_only run is a dashed level in the eval panel). matplotlib is imported here only."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [read_run(r) for r in run_dirs]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = [("charts/success_rate", "training success rate"), ("eval/success", "eval success (all episodes)"),
+              ("losses/total", "total loss"), (None, "method signal")]
+    for ax, (key, title) in zip(axes.flat, panels):
+        for (args, rows), label in zip(runs, run_labels(runs, run_dirs)):
+            k, what = (key, "") if key else SIGNAL.get(args.get("method"), (None, ""))
+            pts = [(r["update"] + 1, r[k]) for r in rows if "update" in r and k in r]
+            level = [r[k] for r in rows if r.get("eval_only") and k in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if k.startswith("eval") else None, ms=3,
+                        label=f"{label}: {what}" if what else label)
+            elif level:
+                ax.axhline(level[-1], ls="--", color="gray", label=f"{label} (eval-only)")
+        ax.set(title=title, xlabel="updates done")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return fig
+
+
+def compare_runs(run_dirs: list[str]) -> str:
+    """A markdown table: final / best eval success, per-family success at the final eval, mean seconds per update
+    by phase, and each run's time per update as a multiple of the first run's."""
+    runs = [read_run(r) for r in run_dirs]
+    evals = [[r for r in rows if "eval/success" in r] for _, rows in runs]
+    train = [[r for r in rows if "update" in r] for _, rows in runs]
+    fams = sorted({k for ev in evals for k in (ev[-1] if ev else {}) if k.startswith("eval/success/")})
+    phases = sorted({k for tr in train for r in tr for k in r if k.startswith("time/") and k != "time/total"})
+    mean = lambda rows, k: sum(r.get(k, 0.0) for r in rows) / len(rows) if rows else float("nan")  # noqa: E731
+    base = mean(train[0], "time/total")
+    head = (["run", "updates", "final eval", "best eval"] + [f.split("/")[-1] for f in fams]
+            + [f"s/update {p.split('/')[-1]}" for p in phases] + ["s/update total", "× first"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, ev, tr in zip(run_labels(runs, run_dirs), evals, train):
+        last = ev[-1] if ev else {}
+        cells = [label, str(len(tr)), f"{last.get('eval/success', float('nan')):.3f}",
+                 f"{max((r['eval/success'] for r in ev), default=float('nan')):.3f}"]
+        cells += [f"{last[f]:.3f}" if f in last else "–" for f in fams]
+        cells += [f"{mean(tr, p):.2f}" for p in phases] + [f"{mean(tr, 'time/total'):.2f}"]
+        cells.append(f"{mean(tr, 'time/total') / base:.2f}×" if tr and base > 0 else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cli(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(prog="common.py", allow_abbrev=False, description="curves and tables of runs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    plot = sub.add_parser("plot", help="PNG of the curves, one line per run")
+    plot.add_argument("runs", nargs="+", help="run directories (each with args.json and metrics.jsonl)")
+    plot.add_argument("-o", "--out", default="curves.png", help="PNG to write [default: curves.png]")
+    comp = sub.add_parser("compare", help="markdown table of eval success and seconds per update")
+    comp.add_argument("runs", nargs="+", help="run directories (each with args.json and metrics.jsonl)")
+    a = p.parse_args(argv)
+    for r in a.runs:
+        if not os.path.isfile(os.path.join(r, "metrics.jsonl")):
+            raise SystemExit(f"{r}: no metrics.jsonl (not a run directory)")
+    if a.cmd == "plot":
+        plot_runs(a.runs, a.out)
+        print(f"wrote {a.out}")
+    else:
+        print(compare_runs(a.runs))
+
+
+if __name__ == "__main__":
+    cli()

@@ -48,19 +48,19 @@ Deviations / choices:
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch.distributed import ReduceOp
 
 import common as C
+import envs
 from common import arg
 
 GUIDANCE_MODES = ("group", "none", "unaggregated", "success_only")
@@ -70,7 +70,7 @@ MODULATIONS = ("turn", "token", "trajectory")
 @dataclass
 class Args:
     """GRSD (Table 5 / §4.1 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
-    env: str = arg("household", "household (embedded) | alfworld | search")
+    env: str = arg("household", "household (embedded), alfworld or search", envs.ENV_NAMES)
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
@@ -84,8 +84,8 @@ class Args:
     reflection_prompt_len: int | None = arg(None, "reflection / judge / guidance prompt tokens (Table 5: 8096)")
     obs_chars: int = arg(400, "observations are truncated to this many characters in serialized trajectories")
     # Stage B + modulation (§3.3)
-    guidance: str = arg("group", "group | none | unaggregated | success_only (Table 2)")
-    modulation: str = arg("turn", "turn | token | trajectory (Table 2)")
+    guidance: str = arg("group", "group guidance, or a Table 2 variant", GUIDANCE_MODES)
+    modulation: str = arg("turn", "modulation granularity (Table 2)", MODULATIONS)
     lambda_mod: float = arg(0.5, "λ, self-distillation strength (paper 0.5); 0 = GRPO advantages")
     g_hat: float = arg(0.2, "Ĝ, clip of q̂ (paper 0.2); λĜ must be < 1")
     eps_adv: float = arg(1e-6, "ε_adv in Norm_G (Eq. 1)")
@@ -112,9 +112,15 @@ class Args:
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
-    eval_split: str = arg("valid_seen", "valid_seen | valid_unseen (ALFWorld's out-of-distribution split)")
+    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one)",
+                          ("valid_seen", "valid_unseen"))
     eval_temperature: float = arg(0.6, "validation sampling temperature (paper 0.6)")
-    save_every: int = arg(50, "save an HF checkpoint every k updates (and after the last)")
+    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
+    # The run directory (common.Run)
+    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
+    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
+    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
+    track: str = arg("none", "also send every metrics row to this tracker", C.TRACKERS)
 
 
 PAPER = {  # §4.1, App. C
@@ -129,10 +135,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, ma
 
 
 def resolve(args: Args) -> Args:
-    if args.env not in PAPER:
-        raise SystemExit(f"--env must be one of {sorted(PAPER)}, got {args.env!r}")
-    if args.guidance not in GUIDANCE_MODES or args.modulation not in MODULATIONS:
-        raise SystemExit(f"--guidance must be one of {GUIDANCE_MODES} and --modulation one of {MODULATIONS}")
+    C.check_run_args(args, Args)  # choices, tracker, out_dir: before anything loads
     if args.lambda_mod < 0 or args.g_hat <= 0 or args.lambda_mod * args.g_hat >= 1:
         raise SystemExit(f"GRSD needs λ ≥ 0, Ĝ > 0 and λĜ < 1 so that no turn weight can flip the sign of A "
                          f"(Eq. 11, Prop. 2); got λ = {args.lambda_mod}, Ĝ = {args.g_hat}, λĜ = "
@@ -504,6 +507,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "grsd/adv_shift_abs": dev / max(n_a, 1),                      # mean |Â − A| over task tokens
             "grsd/weight_min": w_lo if math.isfinite(w_lo) else 1.0,   # w = Â/A ∈ [1 − λĜ, 1 + λĜ]
             "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
+            "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok}
 
 
@@ -512,20 +516,23 @@ def main(args: Args):
     d = C.init_distributed(args.seed)
     tok = C.load_tokenizer(args.model)
     train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
-    metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates, "grsd")
-    if d.main:
-        with open(os.path.join(args.out_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=1)
+    if args.eval_only:
+        C.eval_only(args, "grsd", d, tok, make_valid, valid_ids)
+        return C.shutdown()
+    run = C.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client = C.ChatClient(args.judge_url, args.judge_model, os.environ.get("OPENAI_API_KEY", "")) \
         if args.judge_url else None
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)   # π_θ
+    theta = run.state or args.model                                                                  # resumed θ
+    policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
     ref = C.shard(C.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref
-    engine = C.HFEngine(C.load_model(args.model, args.seed, dtype), tok, d.device)                 # θ_old = θ̄
+    engine = C.HFEngine(C.load_model(theta, args.seed, dtype), tok, d.device)                      # θ_old = θ̄
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if run.state:
+        C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
-    for update in range(args.updates):
+    for update in range(run.start, args.updates):
         timer, t0 = C.Timer(), time.perf_counter()
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.1
@@ -555,13 +562,11 @@ def main(args: Args):
                     "guidance/active_groups": s[6], "guidance/empty": s[7], "judge/endpoint_failures": s[8],
                     "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.validate_and_save(update, args, engine, policy, tok, make_valid, valid_ids, d, timer))
-        row.update(timer.as_metrics())
-        row["time/total"] = time.perf_counter() - t0
-        metrics.log(row)
-    metrics.close()
+        row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
+        run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
+    run.close()
     C.shutdown()
 
 
 if __name__ == "__main__":
-    main(C.parse_args(Args))
+    main(C.parse_args(Args, PAPER, TINY))

@@ -50,7 +50,7 @@ import random
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,7 +64,7 @@ MODES = ("critical_first", "episode_only", "step_only", "additive")
 @dataclass
 class Args:
     """OPID (B.4 / official scripts; fields left at None take the per-env paper value, or the tiny preset)."""
-    env: str = arg("household", "household (embedded) | alfworld | search")
+    env: str = arg("household", "household (embedded), alfworld or search", envs.ENV_NAMES)
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
@@ -77,7 +77,7 @@ class Args:
     analyzer_max_tokens: int | None = arg(None, "analyzer max new tokens (paper 4096)")
     analyzer_retries: int = arg(1, "extra attempts for a reply without a usable JSON analysis")
     max_critical: int | None = arg(None, "max critical steps |C_τ| (paper 5 ALFWorld/WebShop, 2 Search)")
-    skill_mode: str = arg("critical_first", "critical_first | episode_only | step_only | additive")
+    skill_mode: str = arg("critical_first", "skill routing, or a Table 2 / 3 ablation", MODES)
     skill_max_tokens: int = arg(256, "each skill is cut to this many tokens before injection")
     record_chars: int = arg(400, "observations and responses are cut to this many characters in the record")
     # RL (B.4, Table 6)
@@ -101,9 +101,15 @@ class Args:
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
-    eval_split: str = arg("valid_seen", "valid_seen | valid_unseen (ALFWorld's out-of-distribution split)")
+    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one)",
+                          ("valid_seen", "valid_unseen"))
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
-    save_every: int = arg(50, "save an HF checkpoint every k updates (and after the last)")
+    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
+    # The run directory (common.Run)
+    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
+    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
+    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
+    track: str = arg("none", "also send every metrics row to this tracker", C.TRACKERS)
 
 
 PAPER = {  # B.4, Table 6, official scripts
@@ -120,10 +126,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, ma
 
 
 def resolve(args: Args) -> Args:
-    if args.env not in PAPER:
-        raise SystemExit(f"--env must be one of {sorted(PAPER)}, got {args.env!r}")
-    if args.skill_mode not in MODES:
-        raise SystemExit(f"--skill_mode must be one of {MODES}, got {args.skill_mode!r}")
+    C.check_run_args(args, Args)  # choices, tracker, out_dir: before anything loads
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     if args.model == "tiny":
@@ -522,6 +525,7 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "losses/total": (tot["pg"] + args.beta_kl * tot["kl"]) / n_mb,
             "adv/episode_abs": tot["ep_abs"] / n_all,          # Fig. 8: mean |A_ep| over valid tokens
             "adv/skill_abs": tot["skill_abs"] / n_all,         # Fig. 8: mean |λ_skill A_skill| over valid tokens
+            "adv/skill_share": tot["skill_abs"] / max(tot["skill_abs"] + tot["ep_abs"], 1e-12),  # of the two
             "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
             "skill/token_frac": tot["skill_tokens"] / n_all,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
@@ -551,20 +555,23 @@ def main(args: Args):
     d = C.init_distributed(args.seed)
     tok = C.load_tokenizer(args.model)
     train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
-    metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates, "opid")
-    if d.main:
-        with open(os.path.join(args.out_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=1)
+    if args.eval_only:
+        C.eval_only(args, "opid", d, tok, make_valid, valid_ids)
+        return C.shutdown()
+    run = C.Run(args, "opid", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client = C.ChatClient(args.analyzer_url, args.analyzer_model, os.environ.get("OPENAI_API_KEY", "")) \
         if args.analyzer_url else None
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)   # π_θ
+    theta = run.state or args.model                                                                  # resumed θ
+    policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
     ref = C.shard(C.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref, frozen
-    engine = C.HFEngine(C.load_model(args.model, args.seed, dtype), tok, d.device)                 # rollout copy
+    engine = C.HFEngine(C.load_model(theta, args.seed, dtype), tok, d.device)                      # rollout copy
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if run.state:
+        C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
-    for update in range(args.updates):
+    for update in range(run.start, args.updates):
         timer, t0 = C.Timer(), time.perf_counter()
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.3: θ_old ← θ
@@ -587,13 +594,11 @@ def main(args: Args):
                     "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
                     "rollout/unterminated_responses": C.global_sum([cstats.unterminated_responses], d.device)[0],
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.validate_and_save(update, args, engine, policy, tok, make_valid, valid_ids, d, timer))
-        row.update(timer.as_metrics())
-        row["time/total"] = time.perf_counter() - t0
-        metrics.log(row)
-    metrics.close()
+        row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
+        run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
+    run.close()
     C.shutdown()
 
 
 if __name__ == "__main__":
-    main(C.parse_args(Args))
+    main(C.parse_args(Args, PAPER, TINY))

@@ -43,18 +43,19 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 import common as C
+import envs
 from common import arg
 
 
 @dataclass
 class Args:
     """SEED (Table 5 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
-    env: str = arg("household", "household (embedded) | alfworld | search")
+    env: str = arg("household", "household (embedded), alfworld or search", envs.ENV_NAMES)
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
@@ -82,7 +83,8 @@ class Args:
     beta_opd: float = arg(5.0, "gate sharpness β_opd (paper 5.0)")
     lambda_opd: float = arg(0.01, "OPD coefficient λ_opd (paper 0.01); 0 = plain GRPO")
     adv_eps: float = arg(1e-6, "ε in (R − μ)/(σ + ε)")
-    skill_source: str = arg("on_policy", "on_policy (θ_old analyzes) | static (stage-1 skill library)")
+    skill_source: str = arg("on_policy", "on_policy: θ_old analyzes; static: the stage-1 skill library",
+                            ("on_policy", "static"))
     skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection")
     max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
     max_response_len: int | None = arg(None, "response tokens (paper 512)")
@@ -95,9 +97,15 @@ class Args:
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
-    eval_split: str = arg("valid_seen", "valid_seen | valid_unseen (ALFWorld's out-of-distribution split)")
+    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one)",
+                          ("valid_seen", "valid_unseen"))
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
-    save_every: int = arg(50, "save an HF checkpoint every k updates (and after the last)")
+    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
+    # The run directory (common.Run)
+    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
+    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
+    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
+    track: str = arg("none", "also send every metrics row to this tracker", C.TRACKERS)
 
 
 PAPER = {  # Table 5 / §4.1
@@ -114,8 +122,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollou
 
 
 def resolve(args: Args) -> Args:
-    if args.env not in PAPER:
-        raise SystemExit(f"--env must be one of {sorted(PAPER)}, got {args.env!r}")
+    C.check_run_args(args, Args)  # choices, tracker, out_dir: before anything loads
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     preset = TINY if args.model == "tiny" else PAPER[args.env]
@@ -128,8 +135,6 @@ def resolve(args: Args) -> Args:
         args.bf16 = torch.cuda.is_available()
     if args.grad_ckpt is None:  # Qwen2.5-3B: ~95 GiB of activations for 8 × 2560 tokens without it
         args.grad_ckpt = torch.cuda.is_available()
-    if args.skill_source not in ("on_policy", "static"):
-        raise SystemExit(f"--skill_source must be on_policy or static, got {args.skill_source!r}")
     if args.skill_source == "static" and args.skip_sft:
         raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
     return args
@@ -233,8 +238,9 @@ def analyze(trajs, engine, args, client=None) -> list[str | None]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def run_stage1(args, d, tok, make_env, train_ids, metrics) -> str:
-    """Collect B (M tasks × K0), annotate, keep v_τ = 1, fine-tune with L_sft, save θ_sft. Returns its path."""
+def run_stage1(args, d, tok, make_env, train_ids, run) -> str:
+    """Collect B (M tasks × K0), annotate, keep v_τ = 1, fine-tune with L_sft, save θ_sft with its skill library
+    (a checkpoint that --resume restarts stage 2 from). Returns its path."""
     timer, t0 = C.Timer(), time.perf_counter()
     policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
     engine = C.HFEngine(C.load_model(args.model, args.seed, torch.bfloat16 if args.bf16 else torch.float32),
@@ -260,12 +266,11 @@ def run_stage1(args, d, tok, make_env, train_ids, metrics) -> str:
         with timer("update"):
             row.update(sft_train(policy, tok, data, args, d))
     path = os.path.join(args.out_dir, "stage1")
-    C.save_checkpoint(policy, tok, path, d)
-    parts = C.all_gather_objects(library)
-    if d.main:
-        with open(os.path.join(path, "skills.jsonl"), "w") as f:
-            f.writelines(json.dumps(x) + "\n" for part in parts for x in part)
-    metrics.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
+    skills_jsonl = "".join(json.dumps(x) + "\n" for part in C.all_gather_objects(library) for x in part)
+    with timer("save"):
+        C.save_state(path, policy, tok, d, meta={"next_update": 0, "row": {**row, **timer.as_metrics()}},
+                     files={"skills.jsonl": skills_jsonl})
+    run.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
     del policy, engine
     return path
 
@@ -414,21 +419,26 @@ def main(args: Args):
     d = C.init_distributed(args.seed)
     tok = C.load_tokenizer(args.model)
     train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
-    metrics = C.Metrics(os.path.join(args.out_dir, "metrics.jsonl"), d, args.updates + (not args.skip_sft), "seed")
-    if d.main:
-        with open(os.path.join(args.out_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=1)
+    if args.eval_only:
+        C.eval_only(args, "seed", d, tok, make_valid, valid_ids)
+        return C.shutdown()
+    run = C.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
 
-    # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input)
-    init = args.model if args.skip_sft else run_stage1(args, d, tok, make_train, train_ids, metrics)
+    # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input). A resumed run found it done.
+    stage1 = os.path.join(args.out_dir, "stage1")
+    init = args.model if args.skip_sft else stage1 if run.state else run_stage1(args, d, tok, make_train,
+                                                                                 train_ids, run)
     lib = static_library(init) if args.skill_source == "static" else None
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    policy = C.shard(C.load_model(init, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
+    theta = run.state or init                                                        # resumed θ
+    policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
     ref = C.shard(C.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
-    engine = C.HFEngine(C.load_model(init, args.seed, dtype), tok, d.device)
+    engine = C.HFEngine(C.load_model(theta, args.seed, dtype), tok, d.device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if run.state:
+        C.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG
 
-    for update in range(args.updates):
+    for update in range(run.start, args.updates):
         timer, t0 = C.Timer(), time.perf_counter()
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.5: θ_old ← θ
@@ -452,13 +462,11 @@ def main(args: Args):
                     "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
                     "rollout/unterminated_responses": C.global_sum([cstats.unterminated_responses], d.device)[0],
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.validate_and_save(update, args, engine, policy, tok, make_valid, valid_ids, d, timer))
-        row.update(timer.as_metrics())
-        row["time/total"] = time.perf_counter() - t0
-        metrics.log(row)
-    metrics.close()
+        row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
+        run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
+    run.close()
     C.shutdown()
 
 
 if __name__ == "__main__":
-    main(C.parse_args(Args))
+    main(C.parse_args(Args, PAPER, TINY))

@@ -1,0 +1,294 @@
+"""Long runs (common.Run): kill -9 and --resume under torchrun for every method, a kill while a checkpoint is
+written, a used out_dir refused, --eval_only against the numbers training logged, plot / compare on real runs,
+TensorBoard rows, and the CLI (defaults in --help, choices, no prefix abbreviations)."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import common as C
+
+HERE = Path(__file__).parent
+BASE = ["--tasks_per_update", "2", "--group_size", "2", "--eval_tasks", "2"]
+FAST = {"seed": ["--sft_tasks", "2", "--sft_rollouts", "2"], "opid": [],
+        "grsd": ["--max_response_len", "32", "--reflection_max_tokens", "32"]}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(method, out, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+            str(free_port()), str(HERE / f"{method}.py"), "--out_dir", str(out), *BASE, *FAST[method], *extra]
+
+
+def python(method, out, *extra):
+    return [sys.executable, str(HERE / f"{method}.py"), "--out_dir", str(out), *BASE, *FAST[method], *extra]
+
+
+def run(cmd, timeout=400):
+    res = subprocess.run(cmd, cwd=HERE, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def rows_of(out):
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl") if line.strip()]
+
+
+def untimed(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------ kill -9, resume
+
+@pytest.mark.parametrize("method,first_state", [("seed", "stage1"), ("opid", "update1"), ("grsd", "update1")])
+def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tmp_path):
+    """2 ranks, save_every 1. SEED is killed after its first checkpoint (θ_sft + skill library: stage 2 restarts
+    with a fresh AdamW), OPID and GRSD after update 1 (AdamW moments restored). Generation, scoring and the update
+    are deterministic on CPU given weights, optimizer and RNG, so the rows and final weights must be bit-equal."""
+    flags = ["--updates", "3", "--save_every", "1", "--eval_every", "2"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(torchrun(method, straight, *flags))
+
+    proc = subprocess.Popen(torchrun(method, killed, *flags), cwd=HERE, env=env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / first_state / C.STATE / "meta.json").is_file():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers, mid-run
+    proc.wait()
+    assert not (killed / "final").exists(), "killed too late: the run had finished"
+    logged = [r.get("update", -1) for r in rows_of(killed)]
+    state = C.latest_state(str(killed))
+    done = C.read_meta(state)["next_update"]
+    assert max(logged) <= done - 1  # nothing logged past the checkpoint: at most the update in flight is lost
+
+    res = run(torchrun(method, killed, *flags, "--resume"))
+    assert f"resuming {state} at update {done}" in res.stdout
+    assert untimed(rows_of(killed)) == untimed(rows_of(straight))  # every row, the ones before the kill included
+    a, b = weights(straight / "final"), weights(killed / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(p.name.endswith(".tmp") for p in killed.iterdir())
+
+
+KILL_IN_SECOND_MODEL_SAVE = """
+import os, runpy, sys
+calls = []
+def hook(frame, event, arg):  # SIGKILL as the 2nd checkpoint starts writing weights (its RNG files are written)
+    if event == "call" and frame.f_code.co_name == "save_pretrained" and "modeling_utils" in frame.f_code.co_filename:
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), 9)
+sys.setprofile(hook)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_kill_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
+    out = tmp_path / "run"
+    flags = ["--updates", "3", "--save_every", "1", "--eval_every", "0"]
+    res = subprocess.run([sys.executable, "-c", KILL_IN_SECOND_MODEL_SAVE, *python("opid", out, *flags)], cwd=HERE,
+                         env=env(), capture_output=True, text=True, timeout=400)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    partial = out / "update2.tmp"
+    assert (partial / C.STATE / "rng_rank0.pt").is_file() and not (partial / C.STATE / "meta.json").exists()
+    assert not (out / "update2").exists() and C.latest_state(str(out)) == str(out / "update1")
+    assert [r["update"] for r in rows_of(out)] == [0]
+
+    res = run(python("opid", out, *flags, "--resume"))
+    assert f"resuming {out / 'update1'} at update 1" in res.stdout
+    assert [r["update"] for r in rows_of(out)] == [0, 1, 2]
+    assert not partial.exists() and (out / "update2" / "config.json").is_file()
+    assert not (out / "update2" / C.STATE).exists()  # pruned: one optimizer state on disk, the newest
+    assert C.read_meta(str(out / "final"))["next_update"] == 3
+
+
+def test_a_finished_run_extended_with_resume_keeps_its_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    run(python("opid", out, "--updates", "1", "--eval_every", "0"))
+    first = weights(out / "final")
+    res = run(python("opid", out, "--updates", "2", "--eval_every", "0", "--resume"))
+    assert "at update 1" in res.stdout and [r["update"] for r in rows_of(out)] == [0, 1]
+    kept = weights(out / "update1")  # the old final/, renamed: the new last update wrote final/
+    assert all(torch.equal(first[k], kept[k]) for k in first)
+    assert C.read_meta(str(out / "final"))["next_update"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ out_dir rules
+
+@contextlib.contextmanager
+def one_rank():
+    """The 1-rank gloo group of `python opid.py` (another module's, when pytest already holds one; else formed
+    here and torn down again, with the environment restored)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield C.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+        return
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield C.init_distributed(seed=0)
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_a_used_out_dir_is_refused_without_resume_or_overwrite(tmp_path):
+    import opid
+    (tmp_path / "metrics.jsonl").write_text('{"update": 0}\n')
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(SystemExit, match="--resume .*--overwrite"):
+        opid.resolve(opid.Args(out_dir=str(tmp_path)))
+    t0 = time.time()
+    res = subprocess.run([sys.executable, str(HERE / "grsd.py"), "--out_dir", str(tmp_path)], cwd=HERE, env=env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "already holds a run" in res.stderr and "Traceback" not in res.stderr
+    assert time.time() - t0 < 60 and not (tmp_path / "args.json").exists()  # refused before anything was built
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path):
+    import opid
+    for name in ("update10", "final"):
+        (tmp_path / name / C.STATE).mkdir(parents=True)
+        (tmp_path / name / C.STATE / "meta.json").write_text('{"next_update": 10}')
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "metrics.jsonl").write_text('{"update": 9}\n')
+    args = opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True))
+    with one_rank() as d:
+        r = C.Run(args, "opid", d, args.updates)
+        r.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "metrics.jsonl", "notes"]
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and r.start == 0
+
+
+# ------------------------------------------------------------------------------------------------ two real runs
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """GRPO (opid --lambda_skill 0, with --track tensorboard) and OPID, 2 updates each, eval after each update."""
+    root = tmp_path_factory.mktemp("runs")
+    flags = ["--updates", "2", "--save_every", "1", "--eval_every", "1"]
+    extra = ["--track", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    run(python("opid", root / "grpo", *flags, "--lambda_skill", "0", *extra))
+    run(python("opid", root / "opid", *flags))
+    return root / "grpo", root / "opid"
+
+
+@pytest.mark.parametrize("checkpoint,row", [("update1", 0), ("final", 1)])
+def test_eval_only_reproduces_the_eval_that_training_logged(two_runs, checkpoint, row, tmp_path):
+    train_dir = two_runs[1]
+    logged = rows_of(train_dir)[row]
+    # the tiny preset's lengths, passed explicitly: a checkpoint path is not 'tiny', so it would get Table 5's
+    run(python("opid", tmp_path, "--eval_only", "--model", str(train_dir / checkpoint), "--max_prompt_len", "1024",
+               "--max_response_len", "48", "--max_steps", "6"))
+    (ev,) = rows_of(tmp_path)
+    keys = [k for k in logged if k.startswith("eval/")]
+    assert {"eval/success", "eval/success_family_avg", "eval/response_tokens", "eval/episode_length"} <= set(keys)
+    assert ev["eval_only"] == 1 and {k: ev[k] for k in keys} == {k: logged[k] for k in keys}
+    assert logged["eval/response_tokens"] > 1  # a fingerprint of the sampled tokens, not just a 0 success rate
+    assert not [p for p in tmp_path.iterdir() if (p / "config.json").exists()]  # no checkpoint written
+
+
+def test_tensorboard_gets_the_same_rows(two_runs):
+    pytest.importorskip("tensorboard", reason="pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(two_runs[0] / "tensorboard"))
+    acc.Reload()
+    for key in ("charts/success_rate", "losses/total", "train/tokens", "eval/response_tokens"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [1, 2]
+        assert [e.value for e in events] == pytest.approx([r[key] for r in rows_of(two_runs[0])], rel=1e-6)
+
+
+def test_plot_draws_one_line_per_run_and_writes_a_png(two_runs, tmp_path):
+    pytest.importorskip("matplotlib", reason="pip install matplotlib")
+    import matplotlib.image
+    out = tmp_path / "curves.png"
+    fig = C.plot_runs([str(p) for p in two_runs], str(out))
+    for ax in fig.axes:
+        assert len(ax.get_lines()) == 2, ax.get_title()
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels[0].startswith("opid lambda_skill=0.0") and labels[1].startswith("opid lambda_skill=0.001")
+    img = matplotlib.image.imread(str(out))
+    assert img.shape[0] > 300 and img.shape[1] > 500 and out.stat().st_size > 10_000
+    ys = fig.axes[2].get_lines()[0].get_ydata()  # total loss of the GRPO run, as logged
+    assert list(ys) == [r["losses/total"] for r in rows_of(two_runs[0])]
+    res = run([sys.executable, str(HERE / "common.py"), "plot", *map(str, two_runs), "-o", str(tmp_path / "b.png")])
+    assert "wrote" in res.stdout and (tmp_path / "b.png").stat().st_size > 10_000
+
+
+def test_compare_prints_one_row_per_run(two_runs):
+    res = run([sys.executable, str(HERE / "common.py"), "compare", *map(str, two_runs)])
+    lines = res.stdout.strip().splitlines()
+    assert lines[0].startswith("| run | updates | final eval | best eval |") and "× first" in lines[0]
+    assert len(lines) == 4 and lines[2].endswith("| 1.00× |")
+    for line, run_dir in zip(lines[2:], two_runs):
+        rows = [r for r in rows_of(run_dir) if "eval/success" in r]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == "2" and cells[2] == f"{rows[-1]['eval/success']:.3f}"
+        mean_total = sum(r["time/total"] for r in rows_of(run_dir)) / 2
+        assert cells[-2] == f"{mean_total:.2f}"
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+def test_cli_refuses_abbreviations_and_unknown_choices_before_loading(monkeypatch, capsys):
+    import grsd
+    import seed
+    for argv in (["--upd", "3"], ["--eval_split", "valid_unsen"], ["--track", "mlflow"]):
+        monkeypatch.setattr(sys, "argv", ["seed.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            C.parse_args(seed.Args, seed.PAPER, seed.TINY)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --upd" in err and "invalid choice: 'valid_unsen'" in err
+    with pytest.raises(SystemExit, match="--guidance must be one of group, none, unaggregated, success_only"):
+        grsd.resolve(grsd.Args(guidance="groups"))
+
+
+def test_help_shows_defaults_and_what_none_resolves_to(monkeypatch, capsys):
+    import opid
+    monkeypatch.setattr(sys, "argv", ["opid.py", "--help"])
+    with pytest.raises(SystemExit):
+        C.parse_args(opid.Args, opid.PAPER, opid.TINY)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[default: alfworld 150, search 150, tiny model 2]" in out           # --updates
+    assert "[default: alfworld 0.01, search 0.001]" in out                      # --beta_kl
+    assert "[default: 0.001]" in out and "{critical_first,episode_only,step_only,additive}" in out
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio"])
+def test_a_tracker_without_its_package_is_named(tracker, tmp_path):
+    import opid
+    if importlib.util.find_spec(tracker):
+        pytest.skip(f"{tracker} is installed here")
+    with pytest.raises(SystemExit, match=f"--track {tracker} needs the {tracker} package: pip install {tracker}"):
+        opid.resolve(opid.Args(out_dir=str(tmp_path), track=tracker))
