@@ -58,6 +58,23 @@ def untimed(rows):
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (Linux)."""
+    parent = {}
+    for p in Path("/proc").iterdir():
+        try:
+            parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        me = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == me]
+        out += kids
+        todo += kids
+    return out
+
+
 def weights(path):
     from safetensors.torch import load_file
     return load_file(str(Path(path) / "model.safetensors"))
@@ -74,13 +91,14 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tm
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(torchrun(method, straight, *flags))
 
-    proc = subprocess.Popen(torchrun(method, killed, *flags), cwd=HERE, env=env(), start_new_session=True,
+    proc = subprocess.Popen(torchrun(method, killed, *flags), cwd=HERE, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (killed / first_state / C.STATE / "meta.json").is_file():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers, mid-run
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun and both workers (each in a session of its own)
+        os.kill(pid, signal.SIGKILL)
     proc.wait()
     assert not (killed / "final").exists(), "killed too late: the run had finished"
     logged = [r.get("update", -1) for r in rows_of(killed)]
@@ -113,8 +131,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_a_kill_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
     out = tmp_path / "run"
     flags = ["--updates", "3", "--save_every", "1", "--eval_every", "0"]
-    res = subprocess.run([sys.executable, "-c", KILL_IN_SECOND_MODEL_SAVE, *python("opid", out, *flags)], cwd=HERE,
-                         env=env(), capture_output=True, text=True, timeout=400)
+    cmd = [sys.executable, "-c", KILL_IN_SECOND_MODEL_SAVE, *python("opid", out, *flags)[1:]]
+    res = subprocess.run(cmd, cwd=HERE, env=env(), capture_output=True, text=True, timeout=400)
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     partial = out / "update2.tmp"
     assert (partial / C.STATE / "rng_rank0.pt").is_file() and not (partial / C.STATE / "meta.json").exists()
