@@ -4,7 +4,8 @@ Read top to bottom, this file is the life of one GRPO-style update without the m
   distributed setup -> model/tokenizer (incl. an offline `tiny` model) -> FSDP2 sharding -> rollout engine
   (weights synced from the FSDP model) -> multi-turn collection in an environment -> log-prob scoring
   -> RL primitives (masked mean, clipped surrogate, k3 KL) -> mini-batch bookkeeping across ranks
-  -> checkpoints, metrics, an OpenAI-compatible chat client for external annotators, validation.
+  -> the run directory (resumable checkpoints, metrics rows, tracker, eval-only) -> an OpenAI-compatible chat
+  client for external annotators -> validation; `python common.py plot|compare RUN_DIR...` at the bottom.
 
 Conventions (see DESIGN.md §3-4):
   * Every rank owns whole task groups (all N rollouts of a task), so group statistics are local.
@@ -12,6 +13,9 @@ Conventions (see DESIGN.md §3-4):
     samples run a 2-token dummy micro-batch whose loss is multiplied by 0 (`pad_chunks`).
   * A loss that the paper writes as a masked mean over a mini-batch is divided by the *global* token count of
     that mini-batch (all-reduced) and multiplied by world size, because FSDP averages gradients over ranks.
+  * A checkpoint (save_state) is an HF directory plus trainer_state/ (full AdamW state, every rank's RNG): resuming
+    from it continues the same run bit for bit on CPU. Evaluation samples from its own stream seeded by --seed, so
+    it never shifts the training stream and a checkpoint scores the same during training and with --eval_only.
 """
 from __future__ import annotations
 
@@ -340,6 +344,12 @@ class Trajectory:
 class CollectStats:
     truncated_prompts: int = 0
     unterminated_responses: int = 0
+    retrieval_failures: int = 0  # search env: steps whose retrieval failed (the agent saw a failure text)
+
+    def metrics(self, d: Dist) -> dict:
+        s = global_sum([self.truncated_prompts, self.unterminated_responses, self.retrieval_failures], d.device)
+        return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1],
+                "search/retrieval_failures": s[2]}
 
 
 def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt: int, max_response: int,
@@ -363,6 +373,7 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
             stats.unterminated_responses += resp[-1:] != [] and resp[-1] not in engine.stops
             resp_text = engine.tok.decode(resp, skip_special_tokens=True)
             obs, reward, done, info = envs[i].step(resp_text)
+            stats.retrieval_failures += bool(info.get("retrieval_error"))
             trajs[i].turns.append(Turn(text, ids, resp, resp_text, info["action"], info["valid"], obs, reward))
             trajs[i].won = bool(info["won"])
             if not done:
@@ -585,8 +596,8 @@ def check_run_args(args, cls):
             raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {getattr(args, f.name)!r}")
     if args.track != "none" and importlib.util.find_spec(args.track) is None:
         raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
-    if args.resume + args.overwrite + args.eval_only > 1:
-        raise SystemExit("--resume, --overwrite and --eval_only exclude each other")
+    if args.resume and (args.overwrite or args.eval_only):
+        raise SystemExit("--resume goes with neither --overwrite nor --eval_only")
     if os.path.isfile(os.path.join(args.out_dir, "metrics.jsonl")) and not (args.resume or args.overwrite):
         raise SystemExit(f"{args.out_dir} already holds a run (metrics.jsonl): pass --resume to continue it, "
                          f"--overwrite to delete it and start over, or another --out_dir")
@@ -696,7 +707,9 @@ class Run:
                            {"next_update": update + 1, "row": {**row, **timer.as_metrics()}})
                 if self.d.main:  # one optimizer state on disk: older checkpoints stay plain HF directories
                     for p in (os.path.join(self.out, n) for n in os.listdir(self.out) if n != name):
-                        if os.path.isdir(os.path.join(p, STATE)) and read_meta(p)["next_update"] > 0:
+                        if p.endswith(".tmp"):  # a partial checkpoint of a killed run
+                            shutil.rmtree(p)
+                        elif os.path.isdir(os.path.join(p, STATE)) and read_meta(p)["next_update"] > 0:
                             shutil.rmtree(os.path.join(p, STATE))
         row.update(timer.as_metrics())
         row["time/total"] = time.perf_counter() - t0
@@ -862,7 +875,10 @@ def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):
             per_env = [f"{env} {v[f.name]}" for env, v in (paper or {}).items() if f.name in v and env != "household"]
             per_env += [f"tiny model {tiny[f.name]}"] if f.name in (tiny or {}) else []
             default = ", ".join(per_env) or None
-        help_text = f"{f.metadata.get('help', '')} [default: {default}]".replace("%", "%%")
+        help_text = f.metadata.get("help", "")
+        if default is not None or "default" not in help_text:  # else the help line says what None means
+            help_text += f" [default: {default}]"
+        help_text = help_text.replace("%", "%%")
         choices = f.metadata.get("choices")
         if base is bool:
             p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=help_text)

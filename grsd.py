@@ -14,6 +14,8 @@ Run:
   torchrun --nproc_per_node 2 grsd.py                      # the same with 2 FSDP ranks (gloo)
   torchrun --nproc_per_node 8 grsd.py --env alfworld --judge_url http://HOST:8000/v1 --judge_model deepseek-v4-flash
   torchrun --nproc_per_node 8 grsd.py --env search --retriever_url http://127.0.0.1:8000/retrieve --judge_url ...
+  python grsd.py --resume                                  # continue runs/grsd from its newest checkpoint
+  python grsd.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
 Ablations (Table 2): --guidance none | unaggregated | success_only, --modulation token | trajectory,
   --alpha 0 (no reflection learning), --lambda_mod 0 (GRPO advantages; reflections still trained when α > 0).
 
@@ -103,7 +105,7 @@ class Args:
     beta_kl: float = arg(0.01, "KL coefficient β (paper 0.01)")
     max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
     max_response_len: int | None = arg(None, "response tokens (paper 512)")
-    max_steps: int | None = arg(None, "episode step limit (paper 50 ALFWorld, 15 WebShop, 4 Search)")
+    max_steps: int | None = arg(None, "episode step limit (paper 50 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
     temperature: float = arg(1.0, "rollout (and reflection / guidance) sampling temperature")
     top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256)")
@@ -560,7 +562,7 @@ def main(args: Args):
                     "guidance/mixed_outcome_ratio": s[9] / max(s[4], 1),       # groups with wins and losses
                     "reflection/truncated_prompts": s[10], "guidance/truncated_prompts": s[11],
                     "guidance/active_groups": s[6], "guidance/empty": s[7], "judge/endpoint_failures": s[8],
-                    "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
+                    **cstats.metrics(d),
                     **C.rollout_metrics(trajs, d)})
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row

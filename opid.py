@@ -13,6 +13,8 @@ Run:
   torchrun --nproc_per_node 2 opid.py                      # the same with 2 FSDP ranks (gloo)
   torchrun --nproc_per_node 8 opid.py --env alfworld --analyzer_url http://HOST:8000/v1 --analyzer_model glm-5.2
   torchrun --nproc_per_node 8 opid.py --env search --retriever_url http://127.0.0.1:8000/retrieve --analyzer_url ...
+  python opid.py --resume                                  # continue runs/opid from its newest checkpoint
+  python opid.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
 Ablations: --skill_mode episode_only | step_only (Table 2), --skill_mode additive (Table 3: episode skill at every
   step plus the step skill at critical steps), --lambda_skill 0 (plain GRPO; the analyzer is not called).
 
@@ -92,7 +94,7 @@ class Args:
     lambda_skill: float = arg(0.001, "λ_skill (official scripts 0.001); 0 = plain GRPO")
     max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
     max_response_len: int | None = arg(None, "response tokens (paper 512)")
-    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search)")
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
     temperature: float = arg(1.0, "rollout sampling temperature")
     top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
@@ -591,8 +593,7 @@ def main(args: Args):
                                     client.failures - failures_before if client else 0, d))
         n_zero, n_grp = C.global_sum([float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"adv/tied_group_frac": n_zero / max(n_grp, 1),
-                    "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
-                    "rollout/unterminated_responses": C.global_sum([cstats.unterminated_responses], d.device)[0],
+                    **cstats.metrics(d),
                     **C.rollout_metrics(trajs, d)})
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row

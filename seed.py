@@ -15,6 +15,8 @@ Run:
   torchrun --nproc_per_node 8 seed.py --env alfworld       # Qwen/Qwen2.5-3B-Instruct, Table 5 settings, 8 GPUs
   torchrun --nproc_per_node 8 seed.py --env search --retriever_url http://127.0.0.1:8000/retrieve
   python seed.py --annotator_url http://host:8000/v1 --annotator_model glm-5.2   # external stage-1 analyzer
+  python seed.py --resume                                  # continue runs/seed from its newest checkpoint
+  python seed.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
 Ablations (Table 2): --skip_sft (w/o hindsight-skill SFT), --lambda_opd 0 (w/o OPD: plain GRPO),
   --skill_source static (w/o on-policy skills: a fixed library of stage-1 skills).
 
@@ -88,7 +90,7 @@ class Args:
     skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection")
     max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
     max_response_len: int | None = arg(None, "response tokens (paper 512)")
-    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search)")
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
     temperature: float = arg(1.0, "rollout sampling temperature")
     top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
@@ -257,7 +259,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run) -> str:
     library = [{"family": tr.family, "won": tr.won, "skill": s} for tr, s in zip(trajs, skills) if s is not None]
     n_traj, n_sft = C.global_sum([len(trajs), len(data)], d.device)
     row = {"stage": 1, "sft/trajectories": n_traj, "sft/examples": n_sft, "sft/valid_rate": n_sft / max(n_traj, 1),
-           "sft/annotator_failures": client.failures if client else 0}
+           "sft/annotator_failures": C.global_sum([client.failures if client else 0], d.device)[0]}  # all ranks
     row.update(C.rollout_metrics(trajs, d, "sft/"))
     if n_sft == 0:
         print(f"[seed] stage 1: 0 of {int(n_traj)} trajectories got a well-formed skill; SFT skipped")
@@ -459,8 +461,7 @@ def main(args: Args):
                                                   float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"skills/valid_rate": n_sk / max(n_tr, 1), "adv/tied_group_frac": n_zero / max(n_grp, 1),
                     "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
-                    "rollout/truncated_prompts": C.global_sum([cstats.truncated_prompts], d.device)[0],
-                    "rollout/unterminated_responses": C.global_sum([cstats.unterminated_responses], d.device)[0],
+                    **cstats.metrics(d),
                     **C.rollout_metrics(trajs, d)})
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
