@@ -539,20 +539,21 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
     dist.barrier()  # every rank's RNG file is written
     if d.main:
         for root, _, names in os.walk(tmp):  # on disk before the rename, so a node crash cannot reorder them
-            for name in names:
-                with open(os.path.join(root, name), "rb+") as f:
-                    os.fsync(f.fileno())
-        if os.path.exists(path):  # a finished run extended with more updates replaces its `final`
-            shutil.rmtree(path + ".old", ignore_errors=True)
-            os.rename(path, path + ".old")
+            for p in [os.path.join(root, n) for n in names] + [root]:
+                fd = os.open(p, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+        if os.path.isdir(path):  # a stale checkpoint of that name, older than the one this run resumed from
+            shutil.rmtree(path)
         os.rename(tmp, path)
-        shutil.rmtree(path + ".old", ignore_errors=True)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        os.fsync(fd)  # the rename itself
+        os.close(fd)
     dist.barrier()
 
 
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, STATE, "meta.json")) as f:
-        return json.load(f)
+    return read_json(os.path.join(path, STATE, "meta.json"))
 
 
 def latest_state(out_dir: str) -> str | None:
@@ -561,6 +562,42 @@ def latest_state(out_dir: str) -> str | None:
     found = [(read_meta(p)["next_update"], p) for p in (os.path.join(out_dir, n) for n in names)
              if not p.endswith(".tmp") and os.path.isfile(os.path.join(p, STATE, "meta.json"))]
     return max(found)[1] if found else None
+
+
+def read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_rows(path: str) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut short by a kill is dropped."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i + 1 < len(lines):
+                raise
+    return rows
+
+
+def clear_run(out_dir: str, rows_only: bool = False):
+    """--overwrite: the earlier run's rows and args, and unless `rows_only` its checkpoints (complete, pruned or
+    partial) and TensorBoard events. Nothing else in out_dir is touched."""
+    for name in os.listdir(out_dir):
+        p = os.path.join(out_dir, name)
+        ckpt = os.path.isdir(p) and (name == "tensorboard" or name.endswith(".tmp") or
+                                     os.path.isfile(os.path.join(p, "config.json")) or os.path.isdir(os.path.join(p, STATE)))
+        if name in ("metrics.jsonl", "args.json"):
+            os.remove(p)
+        elif ckpt and not rows_only:
+            shutil.rmtree(p)
 
 
 def restore_state(path: str, policy, opt, d: Dist) -> dict:
@@ -585,19 +622,30 @@ def restore_state(path: str, policy, opt, d: Dist) -> dict:
     return meta
 
 
-def check_run_args(args, cls):
-    """Checks that need no model, made before anything loads: declared choices, the tracker's package, and an
-    out_dir that already holds a run (never overwritten silently)."""
+def check_choices(args, cls):
+    """Every Args field declared with choices holds one of them (the first check of each method's resolve())."""
     import dataclasses
-    import importlib.util
     for f in dataclasses.fields(cls):
         choices = f.metadata.get("choices")
         if choices and getattr(args, f.name) not in choices:
             raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {getattr(args, f.name)!r}")
+
+
+def check_run_args(args):
+    """The last check of each method's resolve(), before anything loads: the tracker's package, counts, and an
+    out_dir that already holds a run (never overwritten silently) or has nothing left to resume."""
+    import importlib.util
     if args.track != "none" and importlib.util.find_spec(args.track) is None:
         raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
     if args.resume and (args.overwrite or args.eval_only):
         raise SystemExit("--resume goes with neither --overwrite nor --eval_only")
+    if args.save_every < 1 or (args.eval_every is not None and args.eval_every < 0):
+        raise SystemExit(f"--save_every must be ≥ 1 and --eval_every ≥ 0 (0: no eval); got {args.save_every}, "
+                         f"{args.eval_every}")
+    state = latest_state(args.out_dir) if args.resume else None  # (read before any rank changes out_dir)
+    if state and args.updates is not None and read_meta(state)["next_update"] >= args.updates:
+        raise SystemExit(f"{state} has {read_meta(state)['next_update']} updates done: nothing to resume with "
+                         f"--updates {args.updates} (pass a larger --updates to extend the run)")
     if os.path.isfile(os.path.join(args.out_dir, "metrics.jsonl")) and not (args.resume or args.overwrite):
         raise SystemExit(f"{args.out_dir} already holds a run (metrics.jsonl): pass --resume to continue it, "
                          f"--overwrite to delete it and start over, or another --out_dir")
@@ -633,54 +681,56 @@ class Tracker:
 
 class Run:
     """A run's out_dir from start to end: refuses to clobber an earlier run (check_run_args), with --resume picks
-    the latest complete state and keeps the metrics rows before it, writes args.json, one row per update to
-    metrics.jsonl / the bar / the tracker, and resumable checkpoints. Every rank builds it; rank 0 writes."""
+    the latest complete checkpoint and keeps the metrics rows it covers, writes args.json, one row per update to
+    metrics.jsonl / the bar / the tracker, and the checkpoints. Every rank builds it; rank 0 alone reads and changes
+    out_dir and tells the other ranks which checkpoint to load."""
 
     def __init__(self, args, method: str, d: Dist, total: int):
         from tqdm import tqdm
         self.args, self.method, self.d, self.out = args, method, d, args.out_dir
         self.path = os.path.join(args.out_dir, "metrics.jsonl")
-        self.state = latest_state(args.out_dir) if args.resume else None
-        meta = read_meta(self.state) if self.state else {}
-        self.start = meta.get("next_update", 0)  # the first update this process runs
-        if self.state and os.path.basename(self.state) == "final":  # a finished run extended: its final/ becomes
-            renamed = os.path.join(self.out, f"update{self.start}")  # update{k}/, the new last update writes final/
-            if d.main:
-                os.rename(self.state, renamed)
-            self.state = renamed
-        rows, old = [], self._json(os.path.join(args.out_dir, "args.json")) if args.resume else {}
-        run_id = old.get("run_id") or f"{method}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16 ** 6):06x}"
-        if d.main:
-            if args.overwrite and os.path.isdir(self.out):  # the earlier run's rows and checkpoints go; nothing
-                for p in [self.path] + [os.path.join(self.out, n) for n in os.listdir(self.out)
-                                        if os.path.isdir(os.path.join(self.out, n, STATE)) or n == "tensorboard"]:
-                    # else in out_dir is touched
-                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-            if self.state:  # keep the rows of the updates the state contains; recover its own row if a kill
-                rows = [r for r in self._rows() if r.get("update", -1) < self.start]  # came before it was logged
-                if not any(r.get("update", -1) == meta["row"].get("update", -1) for r in rows):
-                    rows.append(meta["row"])
-            os.makedirs(self.out, exist_ok=True)
-            with open(self.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-            with open(os.path.join(self.out, "args.json"), "w") as f:
-                json.dump({"method": method, "run_id": run_id, **vars(args)}, f, indent=1)
-            if args.resume:
-                print(f"[{method}] resuming {self.state} at update {self.start}" if self.state else
-                      f"[{method}] --resume: no complete state in {self.out}, starting from scratch")
-        dist.barrier()
+        rows, run_id, found = self._prepare() if d.main else ([], None, [None, 0])
+        dist.broadcast_object_list(found, src=0)
+        self.state, self.start = found  # the checkpoint to load (None: from scratch), the first update to run
+        first_step = self.start + 1 if self.state else 0 if args.resume else None  # TensorBoard drops redone steps
         self.tracker = Tracker(args.track, self.out, f"{method}:{os.path.basename(os.path.abspath(self.out))}", run_id,
-                               vars(args), self.start + 1 if self.state else None) \
-            if d.main and args.track != "none" else None
+                               vars(args), first_step) if d.main and args.track != "none" else None
         self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
 
-    @staticmethod
-    def _json(path):
-        return json.load(open(path)) if os.path.isfile(path) else {}
-
-    def _rows(self):
-        return [json.loads(line) for line in open(self.path) if line.strip()] if os.path.isfile(self.path) else []
+    def _prepare(self):
+        """Rank 0: --overwrite clears the earlier run, --resume finds its checkpoint and keeps the rows before it
+        (recovering the checkpoint's own row after a kill between saving and logging it); writes metrics.jsonl
+        (atomically) and args.json. Returns (rows, run_id, [checkpoint, first update])."""
+        args, out = self.args, self.out
+        os.makedirs(out, exist_ok=True)
+        if args.overwrite:
+            clear_run(out, rows_only=args.eval_only)  # eval-only: the model it scores may be a checkpoint here
+        old = read_json(os.path.join(out, "args.json")) if args.resume else {}
+        state, rows, start = latest_state(out) if args.resume else None, [], 0
+        if state:
+            meta = read_meta(state)
+            start = meta["next_update"]
+            rows = [r for r in read_rows(self.path) if r.get("update", -1) < start]
+            if not any(r.get("update", -1) == meta["row"].get("update", -1) for r in rows):
+                rows.append(meta["row"])
+            if os.path.basename(state) == "final":  # a finished run extended: the new last update writes final/
+                os.rename(state, os.path.join(out, f"update{start}"))
+                state = os.path.join(out, f"update{start}")
+        if args.resume:
+            changed = {k: (old.get(k), v) for k, v in vars(args).items()
+                       if k in old and old[k] != v and k not in ("resume", "overwrite", "updates", "track")}
+            print(f"[{self.method}] resuming {state} at update {start}" if state else
+                  f"[{self.method}] --resume: no complete checkpoint in {out}, starting from scratch")
+            if changed:
+                print(f"[{self.method}] args changed since the run started (old -> new): {changed}")
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(self.path + ".tmp", self.path)
+        run_id = old.get("run_id") or f"{self.method}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+        with open(os.path.join(out, "args.json"), "w") as f:  # (os.urandom: the seeded streams stay untouched)
+            json.dump({"method": self.method, "run_id": run_id, **vars(args)}, f, indent=1)
+        return rows, run_id, [state, start]
 
     def log(self, row: dict):
         """Append one row (rank 0); the bar shows training success, total loss and the latest eval success."""
@@ -705,15 +755,25 @@ class Run:
             with timer("save"):
                 save_state(os.path.join(self.out, name), policy, tok, self.d, opt,
                            {"next_update": update + 1, "row": {**row, **timer.as_metrics()}})
-                if self.d.main:  # one optimizer state on disk: older checkpoints stay plain HF directories
-                    for p in (os.path.join(self.out, n) for n in os.listdir(self.out) if n != name):
-                        if p.endswith(".tmp"):  # a partial checkpoint of a killed run
-                            shutil.rmtree(p)
-                        elif os.path.isdir(os.path.join(p, STATE)) and read_meta(p)["next_update"] > 0:
-                            shutil.rmtree(os.path.join(p, STATE))
+                if self.d.main:
+                    self._prune(keep=name)
         row.update(timer.as_metrics())
         row["time/total"] = time.perf_counter() - t0
         self.log(row)
+
+    def _prune(self, keep: str):
+        """One optimizer state on disk: older checkpoints become plain HF directories (stage1/, which has none,
+        stays resumable); partial ones left by a kill while saving go."""
+        for name in os.listdir(self.out):
+            p = os.path.join(self.out, name)
+            if name == keep or not os.path.isdir(p):
+                continue
+            if name.endswith(".tmp"):
+                shutil.rmtree(p)
+                continue
+            if os.path.isfile(os.path.join(p, STATE, "meta.json")) and read_meta(p)["next_update"] > 0:
+                os.rename(os.path.join(p, STATE), os.path.join(p, STATE + ".del"))  # atomic: never half a state
+            shutil.rmtree(os.path.join(p, STATE + ".del"), ignore_errors=True)
 
     def close(self):
         self.bar.close()
@@ -916,15 +976,17 @@ def run_labels(runs: list[tuple[dict, list[dict]]], dirs: list[str]) -> list[str
 
 
 def plot_runs(run_dirs: list[str], out: str):
-    """Training success, eval success, total loss and the method's own signal per update, one line per run (an
-    --eval_only run is a dashed level in the eval panel). matplotlib is imported here only."""
+    """Training success, eval success, total loss, the method's own signal, invalid-action rate and response length
+    per update, one line per run (an --eval_only run: a dashed level in the eval panel). Imports matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = [read_run(r) for r in run_dirs]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10))
     panels = [("charts/success_rate", "training success rate"), ("eval/success", "eval success (all episodes)"),
-              ("losses/total", "total loss"), (None, "method signal")]
+              ("losses/total", "total loss"), (None, "method signal"),
+              ("charts/invalid_action_rate", "training invalid-action rate"),
+              ("charts/response_tokens", "training response tokens per turn")]
     for ax, (key, title) in zip(axes.flat, panels):
         for (args, rows), label in zip(runs, run_labels(runs, run_dirs)):
             k, what = (key, "") if key else SIGNAL.get(args.get("method"), (None, ""))
@@ -945,7 +1007,8 @@ def plot_runs(run_dirs: list[str], out: str):
 
 def compare_runs(run_dirs: list[str]) -> str:
     """A markdown table: final / best eval success, per-family success at the final eval, mean seconds per update
-    by phase, and each run's time per update as a multiple of the first run's."""
+    by phase (amortised over all updates: eval and save happen every k), and each run's time per update as a
+    multiple of the first run's."""
     runs = [read_run(r) for r in run_dirs]
     evals = [[r for r in rows if "eval/success" in r] for _, rows in runs]
     train = [[r for r in rows if "update" in r] for _, rows in runs]
@@ -961,7 +1024,8 @@ def compare_runs(run_dirs: list[str]) -> str:
         cells = [label, str(len(tr)), f"{last.get('eval/success', float('nan')):.3f}",
                  f"{max((r['eval/success'] for r in ev), default=float('nan')):.3f}"]
         cells += [f"{last[f]:.3f}" if f in last else "–" for f in fams]
-        cells += [f"{mean(tr, p):.2f}" for p in phases] + [f"{mean(tr, 'time/total'):.2f}"]
+        cells += [f"{mean(tr, p):.2f}" if any(p in r for r in tr) else "–" for p in phases]
+        cells.append(f"{mean(tr, 'time/total'):.2f}")
         cells.append(f"{mean(tr, 'time/total') / base:.2f}×" if tr and base > 0 else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

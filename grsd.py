@@ -137,7 +137,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, ma
 
 
 def resolve(args: Args) -> Args:
-    C.check_run_args(args, Args)  # choices, tracker, out_dir: before anything loads
+    C.check_choices(args, Args)
     if args.lambda_mod < 0 or args.g_hat <= 0 or args.lambda_mod * args.g_hat >= 1:
         raise SystemExit(f"GRSD needs λ ≥ 0, Ĝ > 0 and λĜ < 1 so that no turn weight can flip the sign of A "
                          f"(Eq. 11, Prop. 2); got λ = {args.lambda_mod}, Ĝ = {args.g_hat}, λĜ = "
@@ -159,6 +159,7 @@ def resolve(args: Args) -> Args:
         args.bf16 = torch.cuda.is_available()
     if args.grad_ckpt is None:
         args.grad_ckpt = torch.cuda.is_available()
+    C.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
 

@@ -128,7 +128,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, ma
 
 
 def resolve(args: Args) -> Args:
-    C.check_run_args(args, Args)  # choices, tracker, out_dir: before anything loads
+    C.check_choices(args, Args)
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     if args.model == "tiny":
@@ -144,6 +144,7 @@ def resolve(args: Args) -> Args:
         args.bf16 = torch.cuda.is_available()
     if args.grad_ckpt is None:
         args.grad_ckpt = torch.cuda.is_available()
+    C.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
 

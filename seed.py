@@ -124,7 +124,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollou
 
 
 def resolve(args: Args) -> Args:
-    C.check_run_args(args, Args)  # choices, tracker, out_dir: before anything loads
+    C.check_choices(args, Args)
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     preset = TINY if args.model == "tiny" else PAPER[args.env]
@@ -139,6 +139,7 @@ def resolve(args: Args) -> Args:
         args.grad_ckpt = torch.cuda.is_available()
     if args.skill_source == "static" and args.skip_sft:
         raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
+    C.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
 
@@ -427,9 +428,12 @@ def main(args: Args):
     run = C.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
 
     # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input). A resumed run found it done.
-    stage1 = os.path.join(args.out_dir, "stage1")
-    init = args.model if args.skip_sft else stage1 if run.state else run_stage1(args, d, tok, make_train,
-                                                                                 train_ids, run)
+    if args.skip_sft:
+        init = args.model
+    elif run.state:  # stage 1 finished before the checkpoint we resume from
+        init = os.path.join(args.out_dir, "stage1")
+    else:
+        init = run_stage1(args, d, tok, make_train, train_ids, run)
     lib = static_library(init) if args.skill_source == "static" else None
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     theta = run.state or init                                                        # resumed θ

@@ -147,15 +147,23 @@ def test_a_kill_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
     assert C.read_meta(str(out / "final"))["next_update"] == 3
 
 
-def test_a_finished_run_extended_with_resume_keeps_its_checkpoints(tmp_path):
+def test_a_finished_run_extended_on_more_ranks_keeps_its_checkpoints(tmp_path):
+    """1 process, 1 update; then --resume --updates 2 under torchrun with 2 ranks: the AdamW state (a full state
+    dict) is broadcast from rank 0 and resharded; the RNG streams, saved per rank, start again from the seed."""
     out = tmp_path / "run"
     run(python("opid", out, "--updates", "1", "--eval_every", "0"))
     first = weights(out / "final")
-    res = run(python("opid", out, "--updates", "2", "--eval_every", "0", "--resume"))
-    assert "at update 1" in res.stdout and [r["update"] for r in rows_of(out)] == [0, 1]
+    with pytest.raises(SystemExit, match="nothing to resume with --updates 1"):
+        import opid
+        opid.resolve(opid.Args(out_dir=str(out), resume=True, updates=1))
+    res = run(torchrun("opid", out, "--updates", "2", "--eval_every", "0", "--resume"))
+    assert f"resuming {out / 'update1'} at update 1" in res.stdout and "saved by 1 ranks, this run has 2" in res.stdout
+    assert [r["update"] for r in rows_of(out)] == [0, 1]
     kept = weights(out / "update1")  # the old final/, renamed: the new last update wrote final/
     assert all(torch.equal(first[k], kept[k]) for k in first)
-    assert C.read_meta(str(out / "final"))["next_update"] == 2
+    assert C.read_meta(str(out / "final"))["next_update"] == 2 and not (out / "update1" / C.STATE).exists()
+    last = weights(out / "final")  # (2 ranks also write the tied lm_head.weight: the gathered copies are distinct)
+    assert not all(torch.equal(first[k], last[k]) for k in first)  # it trained on
 
 
 # ------------------------------------------------------------------------------------------------ out_dir rules
@@ -193,18 +201,46 @@ def test_a_used_out_dir_is_refused_without_resume_or_overwrite(tmp_path):
 
 
 def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path):
+    import random
+
     import opid
+    for name in ("update10", "final", "update5", "update20.tmp", "tensorboard"):
+        (tmp_path / name).mkdir()
     for name in ("update10", "final"):
-        (tmp_path / name / C.STATE).mkdir(parents=True)
+        (tmp_path / name / C.STATE).mkdir()
         (tmp_path / name / C.STATE / "meta.json").write_text('{"next_update": 10}')
+    (tmp_path / "update5" / "config.json").write_text("{}")  # a pruned checkpoint: a plain HF directory
     (tmp_path / "notes").mkdir()
     (tmp_path / "metrics.jsonl").write_text('{"update": 9}\n')
+
+    args = opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True, eval_only=True))
+    with one_rank() as d:  # eval-only: only the rows go (the model it scores may be one of these checkpoints)
+        C.Run(args, "opid", d, 1).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "final", "metrics.jsonl", "notes",
+                                                            "tensorboard", "update10", "update20.tmp", "update5"]
     args = opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True))
+    rng = random.getstate(), torch.get_rng_state()
     with one_rank() as d:
         r = C.Run(args, "opid", d, args.updates)
         r.close()
+    assert random.getstate() == rng[0] and torch.equal(torch.get_rng_state(), rng[1])  # seeded streams untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "metrics.jsonl", "notes"]
-    assert (tmp_path / "metrics.jsonl").read_text() == "" and r.start == 0
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and r.start == 0 and r.state is None
+
+
+def test_resume_keeps_the_rows_its_checkpoint_covers_and_recovers_its_own(tmp_path):
+    """A kill between saving update 2's checkpoint and logging its row, with update 3's row half written."""
+    import opid
+    (tmp_path / "update2" / C.STATE).mkdir(parents=True)
+    meta = {"next_update": 2, "row": {"update": 1, "x": 1.5}, "world_size": 1}
+    (tmp_path / "update2" / C.STATE / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "metrics.jsonl").write_text('{"update": 0, "x": 0.5}\n{"update": 2, "x": 9}\n{"upda')
+    args = opid.resolve(opid.Args(out_dir=str(tmp_path), resume=True, updates=4))
+    with one_rank() as d:
+        r = C.Run(args, "opid", d, args.updates)
+        r.close()
+    assert rows_of(tmp_path) == [{"update": 0, "x": 0.5}, {"update": 1, "x": 1.5}]
+    assert r.start == 2 and r.state == str(tmp_path / "update2")
 
 
 # ------------------------------------------------------------------------------------------------ two real runs
@@ -290,6 +326,10 @@ def test_cli_refuses_abbreviations_and_unknown_choices_before_loading(monkeypatc
     assert "unrecognized arguments: --upd" in err and "invalid choice: 'valid_unsen'" in err
     with pytest.raises(SystemExit, match="--guidance must be one of group, none, unaggregated, success_only"):
         grsd.resolve(grsd.Args(guidance="groups"))
+    with pytest.raises(SystemExit, match="--save_every must be ≥ 1"):
+        grsd.resolve(grsd.Args(save_every=0))
+    with pytest.raises(SystemExit, match="--resume goes with neither --overwrite nor --eval_only"):
+        grsd.resolve(grsd.Args(resume=True, eval_only=True))
 
 
 def test_help_shows_defaults_and_what_none_resolves_to(monkeypatch, capsys):
