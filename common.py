@@ -344,12 +344,24 @@ class Trajectory:
 class CollectStats:
     truncated_prompts: int = 0
     unterminated_responses: int = 0
-    retrieval_failures: int = 0  # search env: steps whose retrieval failed (the agent saw a failure text)
+    retrievals: int = 0          # search env: steps that asked the retriever,
+    retrieval_failures: int = 0  # ... got no answer (the agent saw a failure text),
+    bad_replies: int = 0         # ... or an answer that breaks the /retrieve contract (also a failure text)
 
-    def metrics(self, d: Dist) -> dict:
-        s = global_sum([self.truncated_prompts, self.unterminated_responses, self.retrieval_failures], d.device)
-        return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1],
-                "search/retrieval_failures": s[2]}
+    def metrics(self, d: Dist, require: bool = False) -> dict:
+        """Summed over all ranks. Every retrieval of the update failing gets one warning line on rank 0 (fatal
+        with --require_endpoint, on every rank alike)."""
+        s = global_sum([self.truncated_prompts, self.unterminated_responses, self.retrievals,
+                        self.retrieval_failures, self.bad_replies], d.device)
+        if s[2] and s[3] + s[4] == s[2]:
+            msg = (f"search: all {int(s[2])} retrievals failed this update ({int(s[4])} bad replies): the agent "
+                   f"saw failure texts instead of documents")
+            if require:
+                raise SystemExit(msg + " (--require_endpoint)")
+            if d.main:
+                print(f"WARNING {msg}", flush=True)
+        return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
+                "search/retrieval_failures": s[3], "search/bad_replies": s[4]}
 
 
 def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt: int, max_response: int,
@@ -368,12 +380,20 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
         encoded = [encode_prompt(engine.tok, t, max_prompt) for t in texts]
         stats.truncated_prompts += sum(used != t for t, (_, used) in zip(texts, encoded))
         responses = engine.generate([ids for ids, _ in encoded], max_response, temperature, top_p)
+        replies = [engine.tok.decode(resp, skip_special_tokens=True) for resp in responses]
+        step = lambda i, reply: envs[i].step(reply)  # noqa: E731
+        if getattr(envs[active[0]], "concurrent_steps", False):  # HTTP retrieval: a rank's steps in parallel
+            with ThreadPoolExecutor(min(len(active), 32)) as pool:
+                results = list(pool.map(step, active, replies))
+        else:
+            results = list(map(step, active, replies))
         still = []
-        for i, (ids, text), resp in zip(active, encoded, responses):
+        for i, (ids, text), resp, resp_text, (obs, reward, done, info) in zip(active, encoded, responses, replies,
+                                                                               results):
             stats.unterminated_responses += resp[-1:] != [] and resp[-1] not in engine.stops
-            resp_text = engine.tok.decode(resp, skip_special_tokens=True)
-            obs, reward, done, info = envs[i].step(resp_text)
-            stats.retrieval_failures += bool(info.get("retrieval_error"))
+            stats.retrievals += bool(info.get("searched"))
+            stats.retrieval_failures += info.get("retrieval_error") == "failure"
+            stats.bad_replies += info.get("retrieval_error") == "bad_reply"
             trajs[i].turns.append(Turn(text, ids, resp, resp_text, info["action"], info["valid"], obs, reward))
             trajs[i].won = bool(info["won"])
             if not done:
@@ -631,17 +651,45 @@ def check_choices(args, cls):
             raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {getattr(args, f.name)!r}")
 
 
+MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields a method has, before anything loads
+    "updates": (1, "policy updates"), "tasks_per_update": (1, "tasks per update"),
+    "group_size": (2, "group-relative advantages compare N ≥ 2 rollouts of one task"),
+    "minibatch_turns": (1, "turns per optimiser step"), "micro_batch": (1, "turns per forward"),
+    "max_steps": (1, "steps per episode"), "max_prompt_len": (64, "prompt tokens"),
+    "max_response_len": (1, "response tokens"), "eval_every": (0, "0 = no eval"), "eval_tasks": (1, "held-out tasks"),
+    "save_every": (1, "updates between checkpoints"), "sft_tasks": (1, "M"), "sft_rollouts": (1, "K0"),
+    "sft_epochs": (0, "SFT epochs"), "sft_batch": (1, "SFT examples per step"),
+    "annotator_max_tokens": (1, "tokens"), "analyzer_max_tokens": (1, "tokens"), "judge_max_tokens": (1, "tokens"),
+    "reflection_max_tokens": (1, "tokens"), "reflection_prompt_len": (64, "tokens"), "skill_max_tokens": (1, "tokens"),
+    "guidance_max_tokens": (1, "tokens"), "max_critical": (0, "critical steps"), "analyzer_retries": (0, "re-asks"),
+    "record_chars": (1, "characters"), "obs_chars": (1, "characters"), "endpoint_timeout": (0.001, "seconds"),
+    "endpoint_retries": (0, "extra attempts"), "retriever_timeout": (0.001, "seconds"),
+    "retriever_retries": (0, "extra attempts")}
+DATA_ENV = {"alfworld": "ALFWORLD_DATA", "search": "SEARCH_QA_DATA"}  # the benchmarks that need a data folder
+
+
 def check_run_args(args):
-    """The last check of each method's resolve(), before anything loads: the tracker's package, counts, and an
-    out_dir that already holds a run (never overwritten silently) or has nothing left to resume."""
+    """The last check of each method's resolve(), before anything loads: the tracker's package, every count
+    (MINIMUM), the model and data paths, and an out_dir that already holds a run (never overwritten silently) or has
+    nothing left to resume. Each failure is one line naming the flag, exit code 1."""
     import importlib.util
     if args.track != "none" and importlib.util.find_spec(args.track) is None:
         raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
     if args.resume and (args.overwrite or args.eval_only):
         raise SystemExit("--resume goes with neither --overwrite nor --eval_only")
-    if args.save_every < 1 or (args.eval_every is not None and args.eval_every < 0):
-        raise SystemExit(f"--save_every must be ≥ 1 and --eval_every ≥ 0 (0: no eval); got {args.save_every}, "
-                         f"{args.eval_every}")
+    for name, (least, why) in MINIMUM.items():
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            raise SystemExit(f"--{name} must be ≥ {least:g} ({why}); got {value:g}")
+    if args.model != "tiny" and (os.path.exists(args.model) or args.model.startswith(("/", ".", "~"))
+                                 or args.model.count("/") != 1) and not os.path.isfile(
+            os.path.join(os.path.expanduser(args.model), "config.json")):
+        raise SystemExit(f"--model {args.model}: no HF model directory there (config.json missing); pass a "
+                         f"directory, a hub id like Qwen/Qwen2.5-3B-Instruct, or tiny")
+    data_dir = args.data_dir or os.environ.get(DATA_ENV.get(args.env, ""), "")
+    if args.env in DATA_ENV and not os.path.isdir(os.path.expanduser(data_dir)):
+        raise SystemExit(f"--env {args.env} needs its data: --data_dir {args.data_dir or ''} is no directory "
+                         f"(or set {DATA_ENV[args.env]}; see README, Data)")
     state = latest_state(args.out_dir) if args.resume else None  # (read before any rank changes out_dir)
     if state and args.updates is not None and read_meta(state)["next_update"] >= args.updates:
         raise SystemExit(f"{state} has {read_meta(state)['next_update']} updates done: nothing to resume with "
@@ -825,15 +873,17 @@ class Timer:
 
 
 class ChatClient:
-    """POST {base_url}/chat/completions. Failures (after bounded retries with backoff: network errors, HTTP errors,
-    cut-off bodies, malformed JSON) return None and are counted in `self.failures`; they never raise. A `content`
-    given as a list of parts is joined; any other non-text content counts as a failure."""
+    """POST {base_url}/chat/completions for one role (annotator, analyzer, judge). A request makes 1 + `retries`
+    attempts with backoff on errors (refused, HTTP errors, cut-off bodies, malformed JSON); a timed-out attempt is
+    final, since a hung server would hang again. Failures return None and are counted; they never raise. A `content`
+    given as a list of parts is joined; any other non-text content is a failure. complete_many sends a whole batch
+    at once (up to `workers` in flight), so a hung server costs about one timeout per batch."""
 
-    def __init__(self, base_url: str, model: str, api_key: str = "", timeout: float = 120.0, retries: int = 3,
-                 workers: int = 16):
+    def __init__(self, base_url: str, model: str, role: str = "endpoint", timeout: float = 60.0, retries: int = 2,
+                 api_key: str = "", workers: int = 64):
         self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model, self.api_key, self.timeout, self.retries, self.workers = model, api_key, timeout, retries, workers
-        self.failures, self._lock = 0, threading.Lock()
+        self.model, self.role, self.api_key, self.timeout, self.retries = model, role, api_key, timeout, retries
+        self.workers, self.requests, self.failures, self._lock = workers, 0, 0, threading.Lock()
 
     def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> str | None:
         body = json.dumps({"model": self.model, "messages": messages, "temperature": temperature,
@@ -841,7 +891,7 @@ class ChatClient:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        for attempt in range(self.retries):
+        for attempt in range(1 + self.retries):
             try:
                 req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
@@ -849,20 +899,55 @@ class ChatClient:
                 if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                     content = "".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
                 if isinstance(content, str):
+                    self._count(ok=True)
                     return content
-            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError, KeyError, IndexError,
-                    TypeError):
+            except TimeoutError:  # no answer within the timeout
+                break
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, TimeoutError):
+                    break
+            except (http.client.HTTPException, OSError, ValueError, KeyError, IndexError, TypeError):
                 pass
-            if attempt + 1 < self.retries:
+            if attempt < self.retries:
                 time.sleep(min(2 ** attempt, 10))
-        with self._lock:  # complete_many calls this from a thread pool
-            self.failures += 1
+        self._count(ok=False)
         return None
 
+    def _count(self, ok: bool):
+        with self._lock:  # complete_many calls complete from a thread pool
+            self.requests += 1
+            self.failures += not ok
+
     def complete_many(self, prompts: list[str], temperature: float, max_tokens: int) -> list[str | None]:
-        with ThreadPoolExecutor(self.workers) as pool:
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(min(self.workers, len(prompts))) as pool:
             return list(pool.map(lambda p: self.complete([{"role": "user", "content": p}], temperature, max_tokens),
                                  prompts))
+
+
+def make_client(url: str | None, model: str, role: str, args) -> ChatClient | None:
+    """The external endpoint of a role, from a method's Args (None: the policy plays the role)."""
+    return ChatClient(url, model, role, args.endpoint_timeout, args.endpoint_retries,
+                      os.environ.get("OPENAI_API_KEY", "")) if url else None
+
+
+def endpoint_metrics(client: ChatClient | None, seen: list[int], d: Dist, require: bool) -> dict:
+    """endpoint/<role>/requests and /failures since the last call (`seen` holds the counts then), summed over all
+    ranks. When every request of the update failed, rank 0 prints one warning line (the run has lost that signal);
+    with --require_endpoint it is fatal, on every rank alike."""
+    if client is None:
+        return {}
+    req, fail = global_sum([client.requests - seen[0], client.failures - seen[1]], d.device)
+    seen[:] = [client.requests, client.failures]
+    if req and fail == req:
+        msg = (f"{client.role}: all {int(req)} requests to {client.url} failed this update (timeout "
+               f"{client.timeout:g} s, {client.retries} retries): its signal is missing")
+        if require:
+            raise SystemExit(msg + " (--require_endpoint)")
+        if d.main:
+            print(f"WARNING {msg}", flush=True)
+    return {f"endpoint/{client.role}/requests": req, f"endpoint/{client.role}/failures": fail}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -875,8 +960,8 @@ def task_envs(args):
     and environment factories for both splits."""
     import envs
     kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps)
-    if args.retriever_url:
-        kw["retriever_url"] = args.retriever_url
+    if args.env == "search":
+        kw.update(retriever_url=args.retriever_url, timeout=args.retriever_timeout, retries=args.retriever_retries)
     make_train = lambda: envs.make_env(args.env, split="train", **kw)  # noqa: E731
     make_valid = lambda: envs.make_env(args.env, split=args.eval_split, **kw)  # noqa: E731
     valid_ids = make_valid().task_ids()

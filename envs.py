@@ -514,20 +514,47 @@ def load_bm25(corpus_jsonl: str) -> BM25Retriever:
     return BM25Retriever(corpus_jsonl)
 
 
+class BadRetrieverReply(ValueError):
+    """The server answered, but not with Search-R1's /retrieve contract."""
+
+
+def check_retrieve_reply(reply, n_queries: int) -> list[list]:
+    """{"result": one list per query of documents ({"contents": str} or {"title", "text"}), optionally wrapped as
+    {"document": doc, "score": s}}; anything else raises BadRetrieverReply."""
+    result = reply.get("result") if isinstance(reply, dict) else None
+    if not isinstance(result, list) or len(result) != n_queries or not all(isinstance(r, list) for r in result):
+        raise BadRetrieverReply(f"expected {{'result': [{n_queries} lists of documents]}}, got {str(reply)[:200]}")
+    for item in (item for r in result for item in r):
+        doc = item.get("document", item) if isinstance(item, dict) else None
+        if not (isinstance(doc, dict) and (isinstance(doc.get("contents"), str) or isinstance(doc.get("text"), str))):
+            raise BadRetrieverReply(f"a document must hold 'contents' or 'text' strings, got {str(item)[:200]}")
+    return result
+
+
 def retrieve_http(url: str, queries: list[str], topk: int = 3, return_scores: bool = False,
-                  timeout: float = 10.0, retries: int = 2) -> list[list]:
-    """POST Search-R1's /retrieve contract with bounded retries; raises RuntimeError when all fail."""
+                  timeout: float = 10.0, retries: int = 1) -> list[list]:
+    """POST Search-R1's /retrieve contract: 1 + `retries` attempts on errors, none after a timeout (a hung server
+    would hang again) or a reply that breaks the contract (BadRetrieverReply); raises RuntimeError when all fail."""
     body = json.dumps({"queries": queries, "topk": topk, "return_scores": return_scores}).encode()
     error = None
     for attempt in range(retries + 1):
         try:
             request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=timeout) as reply:
-                return json.loads(reply.read())["result"]
-        except (OSError, ValueError, KeyError, TypeError) as e:  # URLError/HTTPError/timeouts are OSError
+                data = reply.read()
+        except TimeoutError as e:
+            raise RuntimeError(f"retrieval from {url}: no answer within {timeout:g} s") from e
+        except OSError as e:  # URLError/HTTPError (a connect timeout is a URLError)
+            if isinstance(getattr(e, "reason", None), TimeoutError):
+                raise RuntimeError(f"retrieval from {url}: no connection within {timeout:g} s") from e
             error = e
             if attempt < retries:
                 time.sleep(0.2 * 2 ** attempt)
+            continue
+        try:
+            return check_retrieve_reply(json.loads(data), len(queries))
+        except ValueError as e:  # not JSON, or the wrong shape
+            raise e if isinstance(e, BadRetrieverReply) else BadRetrieverReply(f"not JSON: {data[:200]!r}") from e
     raise RuntimeError(f"retrieval from {url} failed after {retries + 1} tries: {error}")
 
 
@@ -585,11 +612,11 @@ class SearchEnv(Env):
     """Search-R1: <search>query</search> -> <information>, <answer>..</answer> -> exact-match reward."""
     name = "search"
     max_steps, history_len, invalid_penalty = 4, 4, 0.01
-    tags, info_defaults = ("search", "answer"), {"retrieval_error": False}
+    tags, info_defaults = ("search", "answer"), {"retrieval_error": False, "searched": False}
     intro, turn, invalid_observation = SEARCH_INTRO, SEARCH_TURN, SEARCH_INVALID
 
     def __init__(self, split="train", seed=0, data_dir=None, retriever_url=None, corpus=None, topk=3,
-                 timeout=10.0, retries=2, **kw):
+                 timeout=10.0, retries=1, **kw):
         super().__init__(**kw)
         self.data_dir = Path(data_dir or os.environ.get("SEARCH_QA_DATA") or "<unset>").expanduser()
         self.questions = load_questions(str(self.data_dir.resolve())) if self.data_dir.is_dir() else {}
@@ -600,6 +627,7 @@ class SearchEnv(Env):
         self.url = retriever_url or os.environ.get("RETRIEVER_URL") or None
         self.corpus = str(corpus or self.data_dir / "corpus" / "hotpotqa_hard100_corpus.jsonl")
         self.topk, self.timeout, self.retries = topk, timeout, retries
+        self.concurrent_steps = self.url is not None  # collect() steps a rank's HTTP searches in parallel
 
     def _start(self, task_id):
         q = self.questions[task_id]
@@ -620,10 +648,12 @@ class SearchEnv(Env):
             score = exact_match(content, self.golden)
             return f"Your answer: {content}", score, score == 1.0, True, {}
         try:
-            obs, failed = f"<information>{format_passages(self.retrieve(content))}</information>", False
-        except Exception as e:  # a dead retriever costs this step, never the run
-            obs, failed = f"<information>Search failed: {str(e)[:200]}</information>", True
-        return obs, 0.0, False, False, {"retrieval_error": failed}
+            obs, error = f"<information>{format_passages(self.retrieve(content))}</information>", False
+        except BadRetrieverReply as e:  # counted apart: the server is up but speaks another contract
+            obs, error = f"<information>Search failed: {str(e)[:200]}</information>", "bad_reply"
+        except Exception as e:  # a dead retriever (or a missing corpus) costs this step, never the run
+            obs, error = f"<information>Search failed: {str(e)[:200]}</information>", "failure"
+        return obs, 0.0, False, False, {"retrieval_error": error, "searched": True}
 
 
 # ----------------------------------------------------------------------------- factory and CLI

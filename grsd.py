@@ -51,7 +51,6 @@ Deviations / choices:
 from __future__ import annotations
 
 import math
-import os
 import random
 import re
 import time
@@ -76,6 +75,11 @@ class Args:
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
+    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
+    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
+    endpoint_timeout: float = arg(60.0, "seconds an external judge request may wait (a batch is sent at once)")
+    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
+    require_endpoint: bool = arg(False, "stop the run when the judge endpoint or the retriever fails a whole update")
     out_dir: str = arg("runs/grsd", "metrics.jsonl and checkpoints go here")
     seed: int = arg(0, "random seed")
     # Stage A / judge (§3.2, App. C)
@@ -523,8 +527,7 @@ def main(args: Args):
         C.eval_only(args, "grsd", d, tok, make_valid, valid_ids)
         return C.shutdown()
     run = C.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
-    client = C.ChatClient(args.judge_url, args.judge_model, os.environ.get("OPENAI_API_KEY", "")) \
-        if args.judge_url else None
+    client, seen = C.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     theta = run.state or args.model                                                                  # resumed θ
@@ -545,7 +548,6 @@ def main(args: Args):
                                       args.max_response_len, args.temperature, args.top_p)
         groups = sorted({tr.group for tr in trajs})
         adv = group_norm(trajs, [tr.reward for tr in trajs], args.eps_adv)          # l.4: A_i = Norm_G(R_i)
-        fails_before = client.failures if client else 0
         counts = Counter()
         refl = reflect_and_judge(trajs, engine, args, client, timer, counts)       # l.5-11
         mixed, guidance, n_empty = group_guidance(trajs, refl[2], refl[3], engine, args, timer, counts)  # l.12-16
@@ -554,16 +556,16 @@ def main(args: Args):
         scores = [s for s in refl[3] if s is not None]
         s = C.global_sum([len(trajs), sum(x is not None for x in refl[2]), len(scores), sum(scores),
                           len(groups), sum(mixed.values()), sum(z is not None for z in guidance.values()), n_empty,
-                          (client.failures - fails_before) if client else 0,
                           sum(len({tr.won for tr in trajs if tr.group == g}) == 2 for g in groups),
                           counts["reflection_truncated"], counts["guidance_truncated"]], d.device)
         row.update({"reflection/valid_rate": s[1] / max(s[0], 1), "reflection/judged_rate": s[2] / max(s[0], 1),
                     "reflection/reward_mean": s[3] / max(s[2], 1),            # Fig. 9a
                     "guidance/valid_group_ratio": s[5] / max(s[4], 1),         # Fig. 9b: m_x = 1 (Alg. 1 l.15)
-                    "guidance/mixed_outcome_ratio": s[9] / max(s[4], 1),       # groups with wins and losses
-                    "reflection/truncated_prompts": s[10], "guidance/truncated_prompts": s[11],
-                    "guidance/active_groups": s[6], "guidance/empty": s[7], "judge/endpoint_failures": s[8],
-                    **cstats.metrics(d),
+                    "guidance/mixed_outcome_ratio": s[8] / max(s[4], 1),       # groups with wins and losses
+                    "reflection/truncated_prompts": s[9], "guidance/truncated_prompts": s[10],
+                    "guidance/active_groups": s[6], "guidance/empty": s[7],
+                    **C.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
+                    **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row

@@ -47,7 +47,6 @@ Deviations / choices:
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import time
@@ -70,6 +69,11 @@ class Args:
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
+    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
+    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
+    endpoint_timeout: float = arg(60.0, "seconds an external analyzer request may wait (a batch is sent at once)")
+    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
+    require_endpoint: bool = arg(False, "stop the run when the analyzer endpoint or the retriever fails a whole update")
     out_dir: str = arg("runs/opid", "metrics.jsonl and checkpoints go here")
     seed: int = arg(0, "random seed")
     # Analyzer (§3.2, B.4)
@@ -357,10 +361,13 @@ def analyze(trajs, engine, args, client=None) -> tuple[list[Analysis | None], Co
                                            args.analyzer_temperature)
         still = []
         for i, reply in zip(pending, replies):
+            if reply is None:  # the endpoint failed after its own retries: counted in endpoint/analyzer/*, no re-ask
+                events["failed"] += 1
+                continue
             analysis, ev = parse_analysis(reply, len(trajs[i].turns), args.max_critical)
             events += ev
             if analysis is None:
-                problem = "no reply" if reply is None else "no JSON object" if ev["no_json"] else "empty episode_skill"
+                problem = "no JSON object" if ev["no_json"] else "empty episode_skill"
                 prompts[i] = retry_prompt(first[i], reply, problem)
                 still.append(i)
             else:
@@ -534,19 +541,18 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
 
 
-def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, endpoint_failures: int, d) -> dict:
+def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> dict:
     """analyzer/*: what happened to every reply (counts over all ranks); skills/*: Fig. 7 and the routing split."""
     keys = ["requests", "failed", "no_json", "no_episode_skill", "bad_step_skills", "bad_key",
             "out_of_range", "bad_skill", "duplicate", "truncated", "critical_steps"]
     route_keys = ["step", "episode", "both", "none", "anchor_fallbacks"]
     vals = C.global_sum([events[k] for k in keys] + [routes[k] for k in route_keys] +
-                        [len(trajs), sum(a is not None for a in analyses), endpoint_failures],
-                        d.device)
-    ev, rt = dict(zip(keys, vals[:len(keys)])), dict(zip(route_keys, vals[len(keys):-3]))
-    n_traj, n_ok, endpoint_failures = vals[-3:]
+                        [len(trajs), sum(a is not None for a in analyses)], d.device)
+    ev, rt = dict(zip(keys, vals[:len(keys)])), dict(zip(route_keys, vals[len(keys):-2]))
+    n_traj, n_ok = vals[-2:]
     n_turns = max(sum(rt[k] for k in ("step", "episode", "both", "none")), 1)
     out = {f"analyzer/{k}": v for k, v in ev.items() if k != "critical_steps"}
-    out.update({"analyzer/endpoint_failures": endpoint_failures, "analyzer/parsed_frac": n_ok / max(n_traj, 1),
+    out.update({"analyzer/parsed_frac": n_ok / max(n_traj, 1),
                 "skills/critical_per_traj": ev["critical_steps"] / max(n_ok, 1),
                 "skills/anchor_fallbacks": rt["anchor_fallbacks"],
                 **{f"skills/route_{k}_frac": rt[k] / n_turns for k in ("step", "episode", "both", "none")}})
@@ -562,8 +568,7 @@ def main(args: Args):
         C.eval_only(args, "opid", d, tok, make_valid, valid_ids)
         return C.shutdown()
     run = C.Run(args, "opid", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
-    client = C.ChatClient(args.analyzer_url, args.analyzer_model, os.environ.get("OPENAI_API_KEY", "")) \
-        if args.analyzer_url else None
+    client, seen = C.make_client(args.analyzer_url, args.analyzer_model, "analyzer", args), [0, 0]
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     theta = run.state or args.model                                                                  # resumed θ
@@ -582,7 +587,6 @@ def main(args: Args):
         with timer("rollout"):                                                       # l.7: G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
-        failures_before = client.failures if client else 0
         with timer("analysis"):                                                      # l.12: A(τ)
             if args.lambda_skill == 0:  # plain GRPO: skills would be unused
                 analyses, events = [None] * len(trajs), Counter()
@@ -590,11 +594,11 @@ def main(args: Args):
                 analyses, events = analyze(trajs, engine, args, client)
         samples, adv, routes = build_samples(trajs, analyses, tok, args)            # l.8-10, 15-16
         row = {"update": update, **opid_update(policy, ref, opt, samples, args, d, timer)}  # l.18-31
-        row.update(analysis_metrics(trajs, analyses, events, routes,
-                                    client.failures - failures_before if client else 0, d))
+        row.update(analysis_metrics(trajs, analyses, events, routes, d))
+        row.update(C.endpoint_metrics(client, seen, d, args.require_endpoint))  # endpoint/analyzer/*
         n_zero, n_grp = C.global_sum([float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"adv/tied_group_frac": n_zero / max(n_grp, 1),
-                    **cstats.metrics(d),
+                    **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row

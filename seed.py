@@ -61,6 +61,11 @@ class Args:
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
+    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
+    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
+    endpoint_timeout: float = arg(60.0, "seconds an external annotator request may wait (a batch is sent at once)")
+    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
+    require_endpoint: bool = arg(False, "stop the run when the annotator endpoint or the retriever fails a whole update")
     out_dir: str = arg("runs/seed", "metrics.jsonl, stage-1 and final checkpoints go here")
     seed: int = arg(0, "random seed")
     # Stage 1 (§3.2, §4.1)
@@ -252,15 +257,14 @@ def run_stage1(args, d, tok, make_env, train_ids, run) -> str:
     with timer("rollout"):
         trajs, _ = C.collect(engine, make_env, tasks, args.sft_rollouts, args.max_prompt_len, args.max_response_len,
                              args.temperature, args.top_p)
-    client = C.ChatClient(args.annotator_url, args.annotator_model, os.environ.get("OPENAI_API_KEY", "")) \
-        if args.annotator_url else None
+    client = C.make_client(args.annotator_url, args.annotator_model, "annotator", args)
     with timer("analysis"):
         skills = analyze(trajs, engine, args, client)
     data = [(trajectory_input(tr), s) for tr, s in zip(trajs, skills) if s is not None]  # D_sft
     library = [{"family": tr.family, "won": tr.won, "skill": s} for tr, s in zip(trajs, skills) if s is not None]
     n_traj, n_sft = C.global_sum([len(trajs), len(data)], d.device)
     row = {"stage": 1, "sft/trajectories": n_traj, "sft/examples": n_sft, "sft/valid_rate": n_sft / max(n_traj, 1),
-           "sft/annotator_failures": C.global_sum([client.failures if client else 0], d.device)[0]}  # all ranks
+           **C.endpoint_metrics(client, [0, 0], d, args.require_endpoint)}
     row.update(C.rollout_metrics(trajs, d, "sft/"))
     if n_sft == 0:
         print(f"[seed] stage 1: 0 of {int(n_traj)} trajectories got a well-formed skill; SFT skipped")
@@ -465,7 +469,7 @@ def main(args: Args):
                                                   float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"skills/valid_rate": n_sk / max(n_tr, 1), "adv/tied_group_frac": n_zero / max(n_grp, 1),
                     "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
-                    **cstats.metrics(d),
+                    **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row

@@ -701,7 +701,7 @@ def test_reflect_and_judge_over_http(tok, batch):
     args = make_args()
     server, url = serve(Judge)
     Judge.bodies = []
-    client = C.ChatClient(url, "judge-m", retries=2)
+    client = C.ChatClient(url, "judge-m", retries=1)
     try:
         p_ids, r_ids, reflections, scores = grsd.reflect_and_judge(trajs, engine, args, client, C.Timer())
     finally:
@@ -737,7 +737,7 @@ class ScoreTwo(BaseHTTPRequestHandler):
 REQUIRED = ("losses/task", "losses/ref", "losses/kl", "losses/total", "reflection/reward_mean",
             "reflection/valid_rate", "reflection/judged_rate", "guidance/valid_group_ratio",
             "guidance/mixed_outcome_ratio", "grsd/delta_abs_mean", "grsd/weight_min", "grsd/weight_max",
-            "judge/endpoint_failures", "charts/success_rate", "charts/episode_length", "train/grad_norm",
+            "charts/success_rate", "charts/episode_length", "train/grad_norm",
             "train/tokens", "time/rollout", "time/reflection", "time/judge", "time/scoring", "time/update",
             "time/total")
 
@@ -783,7 +783,7 @@ def test_grsd_end_to_end_single_process_with_http_judge(tmp_path):
     # the judge is asked exactly once per valid reflection, and each of its "2" replies is a score of 2
     assert ScoreTwo.calls == round(sum(r["reflection/valid_rate"] for r in rows) * n_traj)
     for r in rows:
-        assert r["reflection/judged_rate"] == r["reflection/valid_rate"] and r["judge/endpoint_failures"] == 0
+        assert r["reflection/judged_rate"] == r["reflection/valid_rate"] and r["endpoint/judge/failures"] == 0
         assert r["reflection/reward_mean"] == (2.0 if r["reflection/judged_rate"] else 0.0)
         assert 1 <= r["charts/episode_length"] <= 6 and r["charts/response_tokens"] <= 32
     assert rows[0]["losses/kl"] == pytest.approx(0.0, abs=1e-6)  # one mini-batch at θ = π_ref
@@ -797,7 +797,7 @@ def test_grsd_end_to_end_torchrun_two_ranks_one_idle_policy_judge(tmp_path):
          str(HERE / "grsd.py"), "--out_dir", str(tmp_path), "--updates", "1", "--tasks_per_update", "1", *SMALL])
     (row,) = rows_of(tmp_path)  # one task group: rank 1 has nothing to play, reflect or judge
     check_rows([row], 1)
-    assert row["judge/endpoint_failures"] == 0 and row["charts/episode_length"] >= 1
+    assert "endpoint/judge/failures" not in row and row["charts/episode_length"] >= 1  # θ_old judges
     check_checkpoint(tmp_path / "final")
 
 

@@ -267,11 +267,11 @@ def test_chat_client_retries_and_counts_failures():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Annotator)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     Annotator.calls = 2  # the next call is the 3rd (answered), the one after it the 4th (HTTP 500, then retried)
-    ok = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=2)
+    ok = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=1)
     replies = ok.complete_many(["Outcome: success", "Outcome: failure"], 0.0, 64)
     server.shutdown()
     assert all(seed.parse_skill(r) for r in replies) and ok.failures == 0 and Annotator.calls == 5
-    dead = C.ChatClient(f"http://127.0.0.1:{free_port()}/v1", "m", retries=2)  # nothing listens there
+    dead = C.ChatClient(f"http://127.0.0.1:{free_port()}/v1", "m", retries=1)  # nothing listens there
     assert dead.complete_many(["x", "y"], 0.0, 8) == [None, None] and dead.failures == 2
 
 
@@ -302,7 +302,7 @@ class Flaky(BaseHTTPRequestHandler):
 def test_chat_client_survives_cut_bodies_and_odd_content():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=2)
+    client = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=1)
     first = client.complete([{"role": "user", "content": "x"}], 0.0, 8)  # cut body, then list content on retry
     second = client.complete([{"role": "user", "content": "x"}], 0.0, 8)  # non-text, then a cut body: gives up
     server.shutdown()
@@ -348,7 +348,8 @@ def test_seed_end_to_end_single_process_with_http_annotator(tmp_path):
     server.shutdown()
     assert res.returncode == 0, res.stderr[-3000:]
     rows = check_run(tmp_path, 2, sft_examples=True)
-    assert rows[0]["sft/annotator_failures"] >= 0 and rows[0]["sft/loss_last"] > 0
+    assert rows[0]["endpoint/annotator/failures"] == 0 and rows[0]["endpoint/annotator/requests"] == 12
+    assert rows[0]["sft/loss_last"] > 0
     lib = [json.loads(x) for x in open(tmp_path / "stage1" / "skills.jsonl")]
     assert len(lib) == rows[0]["sft/examples"]
     assert rows[1]["skills/valid_rate"] > 0  # the static library supplies skills to stage 2
