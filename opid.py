@@ -23,7 +23,8 @@ Deviations / choices:
   * The analyzer replies with JSON {"episode_skill": str, "step_skills": {"<0-based step>": str}} (the official
     code's schema). parse_analysis accepts fenced JSON, prose around the object, trailing commas, a nested object,
     int or "step 3" keys and a list of {"step", "skill"} items. A reply without a non-empty episode skill gets one
-    retry that quotes the problem (official code: 2 attempts); then the trajectory has no skill signal.
+    retry that quotes the problem (official code: 2 attempts); then the trajectory has no skill signal. A request
+    the endpoint itself failed (after --endpoint_retries) is not re-asked: endpoint/analyzer/* counts it.
     Step skills with an index outside 0..T−1 (the candidates: the trajectory's own steps), an unreadable key, an
     empty or non-string skill, or a repeated index are dropped; beyond `max_critical` the analyzer's first ones
     in the order written are kept (the official rule). Every outcome is counted in metrics (analyzer/*).
