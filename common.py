@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -95,6 +96,13 @@ def shutdown():
         deadline = time.time() + 60
         while rank == 0 and store.add("ranks_done", 0) < world and time.time() < deadline:
             time.sleep(0.01)
+
+
+def tqdm_write(line: str):
+    """A line on stdout that does not break the progress bar."""
+    from tqdm import tqdm
+    tqdm.write(line)
+    sys.stdout.flush()
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -359,7 +367,7 @@ class CollectStats:
             if require:
                 raise SystemExit(msg + " (--require_endpoint)")
             if d.main:
-                print(f"WARNING {msg}", flush=True)
+                tqdm_write(f"WARNING {msg}")
         return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
                 "search/retrieval_failures": s[3], "search/bad_replies": s[4]}
 
@@ -946,7 +954,7 @@ def endpoint_metrics(client: ChatClient | None, seen: list[int], d: Dist, requir
         if require:
             raise SystemExit(msg + " (--require_endpoint)")
         if d.main:
-            print(f"WARNING {msg}", flush=True)
+            tqdm_write(f"WARNING {msg}")
     return {f"endpoint/{client.role}/requests": req, f"endpoint/{client.role}/failures": fail}
 
 
