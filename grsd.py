@@ -279,7 +279,9 @@ def inject_guidance(prompt_text: str, guidance: str) -> str:
     return f"[Privileged guidance from reflections on this task]\n{guidance}\n\n{prompt_text}"
 
 
-POINT_RE = re.compile(r"^\s*(?:\*\*)?(\d+)[.)]\s*\S", re.M)
+# A point: a line start, indentation (not newlines: '^\s*' would rescan a run of blank lines from each of its line
+# starts, quadratic), an optional '**', the number, '.' or ')', then some text. Linear time.
+POINT_RE = re.compile(r"^[^\S\n]*(?:\*\*)?(\d+)[.)]\s*\S", re.M)
 JUDGE_RE = re.compile(r"\s*(?:score\s*[:=]?\s*)?([0-3])\s*[.!)]?\s*", re.I)
 
 

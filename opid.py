@@ -235,7 +235,9 @@ class Analysis:
     steps: dict[int, str] = field(default_factory=dict)   # {t: s^step_τ,t} for t ∈ C_τ
 
 
-TRAILING_COMMA_RE = re.compile(r'"(?:\\.|[^"\\])*"|,(\s*[}\]])')  # a string (kept as is) or a comma before } ]
+TRAILING_COMMA_RE = re.compile(r",(?=\s*[}\]])")  # a comma before } or ]
+# a closed string (kept) | a trailing comma (dropped) | a '"' that never closes, with what it would have enclosed
+REPAIR_RE = re.compile(r'("(?:\\.|[^"\\])*")|,(?=\s*[}\]])|"(?:\\.|[^"\\])*')
 STEP_KEY_RE = re.compile(r"\s*(?:step[\s_-]*)?(-?\d+)\s*", re.I)
 EPISODE_KEYS, STEP_KEYS = ("episode_skill", "episode"), ("step_skills", "steps", "critical_steps")
 
@@ -269,26 +271,56 @@ def _first_wins(pairs):  # a repeated JSON key keeps its first value (Python's d
     return out
 
 
+def _repair(m: re.Match) -> str:
+    if m.group(1):  # a closed string: kept as is
+        return m.group(1)
+    if m.group() == ",":  # a comma before } or ]: dropped
+        return ""
+    return TRAILING_COMMA_RE.sub("", m.group())  # an unclosed '"' is an ordinary character: repair what follows it
+
+
+def drop_trailing_commas(text: str) -> str:
+    """Each ',' before '}' or ']' outside strings removed; a '"' that never closes is an ordinary character. Linear:
+    an unclosed '"' is matched together with the rest of its would-be string, so the scan never restarts inside it
+    (a regex that can only match closed strings retries from every '\\"' in there: quadratic)."""
+    return REPAIR_RE.sub(_repair, text) if TRAILING_COMMA_RE.search(text) else text
+
+
+def _decode(decoder, text: str, start: int) -> tuple[object, int]:
+    """(the JSON value at text[start:] or None, how many characters the decoder read)."""
+    try:
+        obj, end = decoder.raw_decode(text, start)
+        return obj, end - start
+    except ValueError as e:  # a JSONDecodeError says where it stopped; other ValueErrors (a 5000-digit int) do not
+        return None, getattr(e, "pos", len(text)) - start
+    except RecursionError:
+        return None, len(text) - start
+
+
 def find_json_object(text: str, max_starts: int = 256) -> dict | None:
     """The first JSON object carrying an episode skill (else the first JSON object at all): fenced blocks first,
     then the whole text, trying each '{' (bounded) as a start, as written and then with trailing commas removed
-    outside strings. Linear in the text per start; never raises."""
+    outside strings. Never raises. Linear time: decoding stops once it has read 4× the text (+64K characters) in
+    all; without that cap, k nested starts that all fail at the far end ('{"a":' * k + an unclosed list) would read
+    the text k times."""
     decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
     parts = text.split("```")
     fenced = [p[4:] if p[:4].lower() == "json" else p for p in parts[1:16:2]]  # ```json … ``` blocks
-    first = None
+    first, budget = None, 4 * len(text) + 65536
     for source in fenced + [text]:
-        repaired = TRAILING_COMMA_RE.sub(lambda m: m.group(1) if m.group(1) is not None else m.group(0), source)
+        repaired = drop_trailing_commas(source)
         for candidate in (source, repaired) if repaired != source else (source,):
-            for m in list(re.finditer(r"\{", candidate))[:max_starts]:
-                try:
-                    obj, _ = decoder.raw_decode(candidate, m.start())
-                except (ValueError, RecursionError):
-                    continue
+            start = candidate.find("{")
+            for _ in range(max_starts):
+                if start < 0 or budget < 0:
+                    break
+                obj, read = _decode(decoder, candidate, start)
+                budget -= read
                 found = _skill_object(obj)
                 if found is not None:
                     return found
                 first = first if first is not None or not isinstance(obj, dict) else obj
+                start = candidate.find("{", start + 1)
     return first
 
 

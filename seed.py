@@ -43,7 +43,6 @@ import json
 import math
 import os
 import random
-import re
 import time
 from dataclasses import dataclass
 
@@ -208,15 +207,20 @@ def trajectory_input(traj: C.Trajectory, obs_chars: int = 300) -> str:
             f"(return {traj.reward:.2f} after {len(traj.turns)} steps)\n\n{ANALYZER_INSTRUCTIONS}")
 
 
-SKILL_RE = re.compile(r"<skill>(.*?)</skill>", re.S)
+SKILL_OPEN, SKILL_CLOSE = "<skill>", "</skill>"
 
 
 def parse_skill(text: str | None) -> str | None:
-    """v_τ: exactly one <skill>…</skill> block with 3-300 words; returns the skill or None."""
-    blocks = SKILL_RE.findall(text or "")
-    if len(blocks) != 1:
+    """v_τ: exactly one <skill>…</skill> block with 3-300 words; returns the skill or None. The reply holds each tag
+    exactly once, so a nested or repeated block is rejected. Linear time: counts and finds (a lazy
+    <skill>(.*?)</skill> regex rescans the rest of the reply from every unclosed <skill>: quadratic)."""
+    text = text or ""
+    if text.count(SKILL_OPEN) != 1 or text.count(SKILL_CLOSE) != 1:
         return None
-    skill = " ".join(blocks[0].encode("utf-8", "replace").decode("utf-8").split())  # lone surrogates → '?'
+    start, end = text.find(SKILL_OPEN) + len(SKILL_OPEN), text.find(SKILL_CLOSE)
+    if end < start:  # </skill> before <skill>
+        return None
+    skill = " ".join(text[start:end].encode("utf-8", "replace").decode("utf-8").split())  # lone surrogates → '?'
     return skill if 3 <= len(skill.split()) <= 300 else None
 
 
