@@ -105,6 +105,15 @@ def tqdm_write(line: str):
     sys.stdout.flush()
 
 
+def total_failure(msg: str, require: bool, d: Dist):
+    """An endpoint or the retriever failed a whole update: one warning line on rank 0, or with --require_endpoint
+    the end of the run (every rank sees the same all-reduced counts, so all of them stop)."""
+    if require:
+        raise SystemExit(msg + " (--require_endpoint)")
+    if d.main:
+        tqdm_write(f"WARNING {msg}")
+
+
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.clone()
     dist.all_reduce(x, op=op)
@@ -362,12 +371,8 @@ class CollectStats:
         s = global_sum([self.truncated_prompts, self.unterminated_responses, self.retrievals,
                         self.retrieval_failures, self.bad_replies], d.device)
         if s[2] and s[3] + s[4] == s[2]:
-            msg = (f"search: all {int(s[2])} retrievals failed this update ({int(s[4])} bad replies): the agent "
-                   f"saw failure texts instead of documents")
-            if require:
-                raise SystemExit(msg + " (--require_endpoint)")
-            if d.main:
-                tqdm_write(f"WARNING {msg}")
+            total_failure(f"search: all {int(s[2])} retrievals failed this update ({int(s[4])} bad replies): "
+                          f"the agent saw failure texts instead of documents", require, d)
         return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
                 "search/retrieval_failures": s[3], "search/bad_replies": s[4]}
 
@@ -949,12 +954,8 @@ def endpoint_metrics(client: ChatClient | None, seen: list[int], d: Dist, requir
     req, fail = global_sum([client.requests - seen[0], client.failures - seen[1]], d.device)
     seen[:] = [client.requests, client.failures]
     if req and fail == req:
-        msg = (f"{client.role}: all {int(req)} requests to {client.url} failed this update (timeout "
-               f"{client.timeout:g} s, {client.retries} retries): its signal is missing")
-        if require:
-            raise SystemExit(msg + " (--require_endpoint)")
-        if d.main:
-            tqdm_write(f"WARNING {msg}")
+        total_failure(f"{client.role}: all {int(req)} requests to {client.url} failed this update (timeout "
+                      f"{client.timeout:g} s, {client.retries} retries): its signal is missing", require, d)
     return {f"endpoint/{client.role}/requests": req, f"endpoint/{client.role}/failures": fail}
 
 
