@@ -364,6 +364,7 @@ class CollectStats:
     retrievals: int = 0          # search env: steps that asked the retriever,
     retrieval_failures: int = 0  # ... got no answer (the agent saw a failure text),
     bad_replies: int = 0         # ... or an answer that breaks the /retrieve contract (also a failure text)
+    retriever: str = ""          # which retriever (URL or BM25 corpus), for the warning line
 
     def metrics(self, d: Dist, require: bool = False) -> dict:
         """Summed over all ranks. Every retrieval of the update failing gets one warning line on rank 0 (fatal
@@ -371,8 +372,8 @@ class CollectStats:
         s = global_sum([self.truncated_prompts, self.unterminated_responses, self.retrievals,
                         self.retrieval_failures, self.bad_replies], d.device)
         if s[2] and s[3] + s[4] == s[2]:
-            total_failure(f"search: all {int(s[2])} retrievals failed this update ({int(s[4])} bad replies): "
-                          f"the agent saw failure texts instead of documents", require, d)
+            total_failure(f"search: all {int(s[2])} retrievals from {self.retriever} failed this update "
+                          f"({int(s[4])} bad replies): the agent saw failure texts instead of documents", require, d)
         return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
                 "search/retrieval_failures": s[3], "search/bad_replies": s[4]}
 
@@ -387,7 +388,8 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
             env.reset(task_id)
             envs.append(env)
             trajs.append(Trajectory(task_id, g, env.task, env.family, env.observation))
-    stats, active = CollectStats(), list(range(len(envs)))
+    stats, active = CollectStats(retriever=getattr(envs[0], "retriever", "") if envs else ""), \
+        list(range(len(envs)))
     while active:
         texts = [envs[i].prompt() for i in active]
         encoded = [encode_prompt(engine.tok, t, max_prompt) for t in texts]
@@ -626,7 +628,8 @@ def clear_run(out_dir: str, rows_only: bool = False):
     for name in os.listdir(out_dir):
         p = os.path.join(out_dir, name)
         ckpt = os.path.isdir(p) and (name == "tensorboard" or name.endswith(".tmp") or
-                                     os.path.isfile(os.path.join(p, "config.json")) or os.path.isdir(os.path.join(p, STATE)))
+                                     os.path.isfile(os.path.join(p, "config.json")) or
+                                     os.path.isdir(os.path.join(p, STATE)))
         if name in ("metrics.jsonl", "args.json"):
             os.remove(p)
         elif ckpt and not rows_only:

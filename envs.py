@@ -628,6 +628,7 @@ class SearchEnv(Env):
         self.corpus = str(corpus or self.data_dir / "corpus" / "hotpotqa_hard100_corpus.jsonl")
         self.topk, self.timeout, self.retries = topk, timeout, retries
         self.concurrent_steps = self.url is not None  # collect() steps a rank's HTTP searches in parallel
+        self.retriever = self.url or f"the built-in BM25 over {self.corpus}"
 
     def _start(self, task_id):
         q = self.questions[task_id]

@@ -287,7 +287,8 @@ class SearchPolicy:
         self.tok = C.load_tokenizer("tiny")
         self.stops = C.stop_token_ids(self.tok)
         text = envs.format_expert_response("<search>VIVA Media</search>", "search")
-        self.reply = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.convert_tokens_to_ids("<|im_end|>")]
+        end = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.reply = self.tok(text, add_special_tokens=False)["input_ids"] + [end]
 
     def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
         return [list(self.reply) for _ in prompts]
@@ -323,7 +324,8 @@ def test_failed_retrievals_are_counted_and_warned(case, tmp_path, capsys):
         row = stats.metrics(d)
         assert row["search/retrievals"] == 8  # 2 tasks × 2 rollouts × 2 steps
         assert (row["search/retrieval_failures"], row["search/bad_replies"]) == ((0, 8) if case == "bad_reply" else (8, 0))
-        assert "WARNING search: all 8 retrievals failed this update" in capsys.readouterr().out
+        where = kw.get("retriever_url") or f"the built-in BM25 over {data / 'corpus'}"
+        assert f"WARNING search: all 8 retrievals from {where}" in capsys.readouterr().out
         with pytest.raises(SystemExit, match="--require_endpoint"):
             stats.metrics(d, require=True)
 
