@@ -697,8 +697,9 @@ def check_run_args(args):
         value = getattr(args, name, None)
         if value is not None and value < least:
             raise SystemExit(f"--{name} must be ≥ {least:g} ({why}); got {value:g}")
+    # a local path must be an HF directory; anything else (gpt2, org/name) is a hub id for from_pretrained
     if args.model != "tiny" and (os.path.exists(args.model) or args.model.startswith(("/", ".", "~"))
-                                 or args.model.count("/") != 1) and not os.path.isfile(
+                                 or args.model.count("/") > 1) and not os.path.isfile(
             os.path.join(os.path.expanduser(args.model), "config.json")):
         raise SystemExit(f"--model {args.model}: no HF model directory there (config.json missing); pass a "
                          f"directory, a hub id like Qwen/Qwen2.5-3B-Instruct, or tiny")

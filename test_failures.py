@@ -381,6 +381,7 @@ BAD_FLAGS = [(["--save_every", "0"], "--save_every must be ≥ 1"), (["--micro_b
              (["--eval_tasks", "0"], "--eval_tasks must be ≥ 1"), (["--endpoint_timeout", "0"], "--endpoint_timeout must be ≥"),
              (["--model", "/no/such/model"], "--model /no/such/model: no HF model directory"),
              (["--model", "runs/none/final"], "no HF model directory"),
+             (["--model", "./gpt2"], "no HF model directory"),
              (["--env", "alfworld", "--data_dir", "/no/such/dir"], "--env alfworld needs its data"),
              (["--env", "search", "--data_dir", "/no/such/dir"], "--env search needs its data")]
 
@@ -402,3 +403,9 @@ def test_a_bad_flag_exits_in_one_line_without_a_traceback(method, tmp_path):
                          cwd=HERE, env=env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and res.stderr.strip().count("\n") == 0 and "--group_size" in res.stderr
     assert time.perf_counter() - t0 < 30 and not any(tmp_path.iterdir())  # imports only: no model, no env
+
+
+@pytest.mark.parametrize("hub_id", ["gpt2", "Qwen/Qwen2.5-3B-Instruct"])
+def test_hub_ids_are_not_taken_for_missing_paths(hub_id, tmp_path):
+    import opid
+    assert opid.resolve(opid.Args(model=hub_id, out_dir=str(tmp_path))).model == hub_id

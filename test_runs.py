@@ -153,8 +153,8 @@ def test_a_finished_run_extended_on_more_ranks_keeps_its_checkpoints(tmp_path):
     out = tmp_path / "run"
     run(python("opid", out, "--updates", "1", "--eval_every", "0"))
     first = weights(out / "final")
+    import opid
     with pytest.raises(SystemExit, match="nothing to resume with --updates 1"):
-        import opid
         opid.resolve(opid.Args(out_dir=str(out), resume=True, updates=1))
     res = run(torchrun("opid", out, "--updates", "2", "--eval_every", "0", "--resume"))
     assert f"resuming {out / 'update1'} at update 1" in res.stdout and "saved by 1 ranks, this run has 2" in res.stdout
