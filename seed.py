@@ -101,6 +101,14 @@ class Args:
     micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
+    # Rollout engine (common.make_engine; README, vLLM)
+    engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
+                                   "else hf)", ("hf", "vllm"))
+    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
+    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
+    rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
+                                  "(as the papers), token or sequence", C.ROLLOUT_IS)
+    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
     eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one)",
@@ -250,13 +258,11 @@ def analyze(trajs, engine, args, client=None) -> list[str | None]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def run_stage1(args, d, tok, make_env, train_ids, run) -> str:
-    """Collect B (M tasks × K0), annotate, keep v_τ = 1, fine-tune with L_sft, save θ_sft with its skill library
-    (a checkpoint that --resume restarts stage 2 from). Returns its path."""
+def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
+    """Collect B (M tasks × K0) with the base policy (the engine holds it), annotate, keep v_τ = 1, fine-tune with
+    L_sft, save θ_sft with its skill library (a checkpoint that --resume restarts stage 2 from). Returns its path."""
     timer, t0 = C.Timer(), time.perf_counter()
     policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
-    engine = C.HFEngine(C.load_model(args.model, args.seed, torch.bfloat16 if args.bf16 else torch.float32),
-                        tok, d.device)
     tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
     with timer("rollout"):
         trajs, _ = C.collect(engine, make_env, tasks, args.sft_rollouts, args.max_prompt_len, args.max_response_len,
@@ -264,6 +270,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run) -> str:
     client = C.make_client(args.annotator_url, args.annotator_model, "annotator", args)
     with timer("analysis"):
         skills = analyze(trajs, engine, args, client)
+    engine.sleep()
     data = [(trajectory_input(tr), s) for tr, s in zip(trajs, skills) if s is not None]  # D_sft
     library = [{"family": tr.family, "won": tr.won, "skill": s} for tr, s in zip(trajs, skills) if s is not None]
     n_traj, n_sft = C.global_sum([len(trajs), len(data)], d.device)
@@ -282,7 +289,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run) -> str:
         C.save_state(path, policy, tok, d, meta={"next_update": 0, "row": {**row, **timer.as_metrics()}},
                      files={"skills.jsonl": skills_jsonl})
     run.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
-    del policy, engine
+    del policy
     return path
 
 
@@ -322,6 +329,7 @@ class Sample:
     response_ids: list[int]
     teacher_ids: list[int] | None  # H(h, s) prompt, None when the trajectory has no valid skill
     adv: float                     # A^rl_{q,n}, broadcast to the turn's tokens
+    engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (vLLM), for --rollout_is
 
 
 def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]:
@@ -338,7 +346,7 @@ def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]
         for turn in tr.turns:
             teacher = C.encode_prompt(tok, inject_skill(turn.prompt_text, skill), 2 * args.max_prompt_len)[0] \
                 if skill else None
-            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)]))
+            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)], turn.engine_logp))
     return samples, adv
 
 
@@ -363,6 +371,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     with timer("scoring"):
         old = C.score(policy, P, R, args.micro_batch, d.device)   # ℓ_old: θ_old = θ before this update
         ref_lp = C.score(ref, P, R, args.micro_batch, d.device)   # π_ref, for the KL term of L_rl
+    engine_lp = [s.engine_logp for s in samples]
+    is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
@@ -383,6 +393,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 old_lp = C.pad_right([old[i] for i in idx] or [torch.zeros(1)], d.device)
                 ref_b = C.pad_right([ref_lp[i] for i in idx] or [torch.zeros(1)], d.device)
                 adv = torch.tensor([samples[i].adv for i in idx] or [0.0], device=d.device)[:, None]
+                adv = adv * C.pad_right([is_w[i] for i in idx] or [torch.ones(1)], d.device)  # --rollout_is
                 # Alg. 1 l.25-26: ρ = exp(ℓ_θ − ℓ_old), clipped GRPO loss + β_KL·KL over the mini-batch's tokens
                 l_rl, pg, kl = grpo_loss(logp, old_lp, ref_b, adv, mask, args.clip_eps, args.beta_kl, n_tok)
                 loss = l_rl  # with λ_opd = 0 the teacher branch is never run: exactly GRPO
@@ -408,7 +419,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "losses/total": (tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
             "opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0)),
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
-            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"]}
+            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
+            **C.rollout_mismatch(old, engine_lp, d)}
 
 
 def static_library(path: str) -> dict[tuple, list[str]]:
@@ -431,9 +443,10 @@ def main(args: Args):
     tok = C.load_tokenizer(args.model)
     train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
     if args.eval_only:
-        C.eval_only(args, "seed", d, tok, make_valid, valid_ids)
-        return C.shutdown()
+        return C.shutdown(C.eval_only(args, "seed", d, tok, make_valid, valid_ids))
     run = C.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
+    # the rollout engine, for both stages: it holds the base model for stage 1; sync() pushes θ before every use
+    engine = C.make_engine(args, args.model, tok, d)
 
     # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input). A resumed run found it done.
     if args.skip_sft:
@@ -441,13 +454,11 @@ def main(args: Args):
     elif run.state:  # stage 1 finished before the checkpoint we resume from
         init = os.path.join(args.out_dir, "stage1")
     else:
-        init = run_stage1(args, d, tok, make_train, train_ids, run)
+        init = run_stage1(args, d, tok, make_train, train_ids, run, engine)
     lib = static_library(init) if args.skill_source == "static" else None
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     theta = run.state or init                                                        # resumed θ
     policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
     ref = C.shard(C.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
-    engine = C.HFEngine(C.load_model(theta, args.seed, dtype), tok, d.device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
         C.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG
@@ -468,6 +479,7 @@ def main(args: Args):
             else:
                 skills = analyze(trajs, engine, args)
         samples, adv = build_samples(trajs, skills, tok, args)                      # l.10-15
+        engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         row = {"update": update, "stage": 2, **seed_update(policy, ref, opt, samples, args, d, timer)}
         n_sk, n_tr, n_zero, n_grp = C.global_sum([sum(s is not None for s in skills), len(trajs),
                                                   float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
@@ -478,7 +490,7 @@ def main(args: Args):
         row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
-    C.shutdown()
+    C.shutdown(engine)
 
 
 if __name__ == "__main__":
