@@ -322,9 +322,12 @@ class VLLMEngine(HFEngine):
         self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
         self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        if name == "tiny":  # vLLM loads models from a directory: write the in-process tiny model to one
+        if name == "tiny":  # vLLM loads models from a directory: every rank writes the in-process tiny model to
+            from safetensors.torch import save_model  # its own (save_pretrained writes on rank 0 only)
             self._dir = tempfile.mkdtemp(prefix="tiny-vllm-")
-            load_model("tiny", args.seed, dtype).save_pretrained(self._dir)
+            model = load_model("tiny", args.seed, dtype)
+            model.config.save_pretrained(self._dir)
+            save_model(model, os.path.join(self._dir, "model.safetensors"))  # (drops the tied lm_head copy)
             tok.save_pretrained(self._dir)
             name = self._dir
         memory = dict(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True) if self.gpu \
@@ -671,17 +674,24 @@ def rollout_is_weights(old: list[torch.Tensor], engine_logp: list, mode: str, ca
     return out
 
 
-def rollout_mismatch(old: list[torch.Tensor], engine_logp: list, d: Dist) -> dict:
-    """Rollout/trainer mismatch on the sampled tokens, all ranks: mean and max of |ℓ_old − ℓ_engine| and the
-    fraction of tokens with |ρ − 1| > 0.1, ρ = exp(ℓ_old − ℓ_engine). Empty when the engine gives no log-probs."""
+def mismatch_sums(old: list[torch.Tensor], engine_logp: list) -> tuple[int, float, int, float]:
+    """This rank's sampled tokens with engine log-probs: (count, Σ|ℓ_old − ℓ_engine|, count with |ρ − 1| > 0.1 where
+    ρ = exp(ℓ_old − ℓ_engine), max |ℓ_old − ℓ_engine|)."""
     diffs = [lp_old - torch.tensor(lp, dtype=lp_old.dtype) for lp_old, lp in zip(old, engine_logp) if lp is not None]
     diff = torch.cat(diffs) if diffs else torch.zeros(0)
-    n, total, off = global_sum([diff.numel(), diff.abs().sum().item(),
-                                ((diff.exp() - 1).abs() > 0.1).sum().item()], d.device)
+    if diff.numel() == 0:
+        return 0, 0.0, 0, 0.0
+    return diff.numel(), diff.abs().sum().item(), int(((diff.exp() - 1).abs() > 0.1).sum()), diff.abs().max().item()
+
+
+def rollout_mismatch(old: list[torch.Tensor], engine_logp: list, d: Dist) -> dict:
+    """Rollout/trainer mismatch over all ranks (rollout/logp_diff_mean, _max, ratio_off_frac); empty when the engine
+    gives no log-probs (HFEngine)."""
+    n, total, off, top = mismatch_sums(old, engine_logp)
+    n, total, off = global_sum([n, total, off], d.device)
+    top = all_reduce(torch.tensor([top], device=d.device), dist.ReduceOp.MAX).item()
     if n == 0:
         return {}
-    top = all_reduce(torch.tensor([diff.abs().max().item() if diff.numel() else 0.0], device=d.device),
-                     dist.ReduceOp.MAX).item()
     return {"rollout/logp_diff_mean": total / n, "rollout/logp_diff_max": top, "rollout/ratio_off_frac": off / n}
 
 

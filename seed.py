@@ -278,7 +278,8 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
            **C.endpoint_metrics(client, [0, 0], d, args.require_endpoint)}
     row.update(C.rollout_metrics(trajs, d, "sft/"))
     if n_sft == 0:
-        print(f"[seed] stage 1: 0 of {int(n_traj)} trajectories got a well-formed skill; SFT skipped")
+        if d.main:
+            print(f"[seed] stage 1: 0 of {int(n_traj)} trajectories got a well-formed skill; SFT skipped")
         row["sft/skipped"] = 1
     else:
         with timer("update"):

@@ -416,3 +416,47 @@ def test_grsd_aggregation_is_per_trajectory_mean_not_token_mean():
     loss, pg, kl = grsd.grsd_task_loss(logp, logp, logp - 1.0, adv, mask, weight, 0.2, 0.01, denom)
     k3 = math.exp(-1.0) + 1.0 - 1                        # r = ℓ_ref − ℓ_θ = −1: e^r − r − 1
     assert kl.item() == pytest.approx(k3) and loss.item() == pytest.approx(-0.25 + 0.01 * k3)
+
+
+# ---------------------------------------------------------------------------------------------- --rollout_is
+
+def test_rollout_is_weights_by_hand():
+    old = [torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-0.1])]
+    eng = [[-1.2, -1.0, -3.0], None]  # ℓ_old − ℓ_engine = [0.2, −1.0, 2.5]; the second sample has no engine log-probs
+    tok = C.rollout_is_weights(old, eng, "token", cap=2.0)
+    assert tok[0].tolist() == pytest.approx([math.exp(0.2), math.exp(-1.0), 2.0], abs=1e-6)  # e^2.5 truncated at C
+    assert tok[1].tolist() == [1.0]
+    seq = C.rollout_is_weights(old, eng, "sequence", cap=2.0)
+    assert seq[0].tolist() == [2.0] * 3  # e^(0.2 − 1 + 2.5) = e^1.7 = 5.47, truncated at C = 2
+    seq5 = C.rollout_is_weights(old, eng, "sequence", cap=10.0)
+    assert seq5[0].tolist() == pytest.approx([math.exp(1.7)] * 3, abs=1e-5)  # one weight per response: e^Σ
+    assert all(w.tolist() == [1.0] * len(o) for w, o in zip(C.rollout_is_weights(old, eng, "none", 2.0), old))
+    huge = C.rollout_is_weights([torch.tensor([0.0])], [[-1e4]], "token", cap=2.0)
+    assert huge[0].tolist() == [2.0]  # never inf
+
+
+def test_rollout_is_weight_scales_the_clipped_surrogate_and_its_gradient():
+    """The methods pass A·w as the advantage: −min(ρ·wA, clip(ρ)·wA) = w·(−min(ρA, clip(ρ)A)), value and
+    gradient, for ratios inside and outside the clip range and both signs of A."""
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    w = torch.tensor([[0.5, 1.7, 2.0, 0.3]])
+    x1 = torch.tensor([[-0.9, -1.5, -0.6, -1.05]], requires_grad=True)  # ρ = e^0.1, e^−0.5, e^0.4, e^−0.05
+    x2 = x1.detach().clone().requires_grad_(True)
+    weighted = C.clipped_surrogate(x1, old, adv * w, 0.2)
+    plain = C.clipped_surrogate(x2, old, adv, 0.2)
+    assert weighted[0].tolist() == pytest.approx((w * plain)[0].tolist(), abs=1e-6)
+    weighted.sum().backward()
+    (w * plain).sum().backward()
+    assert x1.grad[0].tolist() == pytest.approx(x2.grad[0].tolist(), abs=1e-6)
+    assert x1.grad[0, 0].item() == pytest.approx(-0.5 * math.exp(0.1), abs=1e-6)  # −w·A·ρ inside the clip range
+    assert x1.grad[0, 2].item() == 0.0  # ρ = e^0.4 > 1 + ε with A > 0: clipped, no gradient, weight or not
+
+
+def test_rollout_mismatch_sums_by_hand():
+    old = [torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-0.1]), torch.tensor([-3.0, -3.0])]
+    eng = [[-1.0, -2.05, -0.7], None, [-3.2, -2.95]]  # diffs 0, 0.05, 0.2 | none | 0.2, −0.05
+    n, total, off, top = C.mismatch_sums(old, eng)
+    assert (n, off) == (5, 2)  # |e^0.2 − 1| = 0.221 > 0.1; |e^±0.05 − 1| ≤ 0.052
+    assert total == pytest.approx(0.5, abs=1e-6) and top == pytest.approx(0.2, abs=1e-6)
+    assert C.mismatch_sums(old[1:2], [None]) == (0, 0.0, 0, 0.0)  # the HF engine: nothing to report

@@ -2,6 +2,7 @@
 reduces to GRPO exactly, micro-batching leaves the update unchanged, stage-1 SFT learns, skill parsing, and both
 stages end to end (one process, and torchrun with 2 FSDP ranks) with a real HTTP annotator on localhost."""
 import json
+import math
 import os
 import random
 import socket
@@ -91,13 +92,21 @@ def batch(tok):
     return expert_batch(tok)
 
 
-def run_update(d, tok, batch, sgd=False, **kw):
+def run_update(d, tok, batch, sgd=False, engine_shift=None, **kw):
     """One seed_update from the same tiny weights. With sgd=True the step is θ − clip(∇L) (lr 1), so the weights
-    after the step show the gradient itself (Adam's first step is ~lr·sign(∇L) and hides its size)."""
+    after the step show the gradient itself (Adam's first step is ~lr·sign(∇L) and hides its size). engine_shift=c
+    hands every sample engine log-probs ℓ_old − c (a rollout engine that put e^−c times the trainer's probability
+    on each sampled token) and turns on --rollout_is token."""
     args = make_args(lr=1e-3, **kw)
     trajs, skills = batch
     mine = [(tr, s) for tr, s in zip(trajs, skills) if tr.group % d.world == d.rank]  # whole groups per rank
     samples, adv = seed.build_samples([tr for tr, _ in mine], [s for _, s in mine], tok, args)
+    if engine_shift is not None:  # (set after resolve: the CLI allows --rollout_is only with --engine vllm)
+        args.rollout_is = "token"
+        old = C.score(C.load_model("tiny", 0), [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                      8, d.device)
+        for s, lp in zip(samples, old):
+            s.engine_logp = (lp - engine_shift).tolist()
     policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
     ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
@@ -143,6 +152,22 @@ def test_pg_loss_at_first_minibatch_equals_token_weighted_advantage(d, tok, batc
     n_tok = sum(len(s.response_ids) for s in samples)
     expected = -sum(s.adv * len(s.response_ids) for s in samples) / n_tok  # ρ = 1 → −E[A] over valid tokens
     assert row["losses/pg"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_rollout_is_token_weights_the_pg_loss_and_reports_the_mismatch(d, tok, batch):
+    """--rollout_is token: ρ_engine = π_θold/π_engine = e^c on every token, under the cap 2, so at θ = θ_old the
+    policy-gradient loss is e^c times the plain one; the mismatch metrics see |ℓ_old − ℓ_engine| = c."""
+    plain, _, samples, _ = run_update(d, tok, batch)
+    c = math.log(1.5)
+    row, _, _, _ = run_update(d, tok, batch, engine_shift=c)
+    assert plain["losses/pg"] != 0
+    assert row["losses/pg"] == pytest.approx(1.5 * plain["losses/pg"], rel=1e-4)
+    assert row["rollout/logp_diff_mean"] == pytest.approx(c, abs=1e-5)
+    assert row["rollout/logp_diff_max"] == pytest.approx(c, abs=1e-5)
+    assert row["rollout/ratio_off_frac"] == 1.0  # |1.5 − 1| > 0.1 on every token
+    assert "rollout/logp_diff_mean" not in plain  # the HF engine reports none
+    capped, _, _, _ = run_update(d, tok, batch, engine_shift=math.log(3.0))
+    assert capped["losses/pg"] == pytest.approx(2.0 * plain["losses/pg"], rel=1e-4)  # w = min(3, C = 2)
 
 
 def test_lambda_opd_zero_is_grpo_exactly(d, tok, batch):
