@@ -345,7 +345,7 @@ class VLLMEngine(HFEngine):
                            generation_config="vllm", **memory)  # "vllm": ignore the checkpoint's sampling defaults
         random.setstate(py_state)
         # The CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op for the
-        # whole process; the trainer in this process wants its threads back (measured: update 1.6x slower without)
+        # whole process; the trainer in this process wants its threads back (a plain `python` run would train on 1)
         torch.set_num_threads = set_threads
         set_threads(threads)
         self.max_len = self.llm.llm_engine.model_config.max_model_len
@@ -379,6 +379,8 @@ class VLLMEngine(HFEngine):
     def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        if not prompts:  # a rank without tasks this update
+            return [], []
         self._wake()
         params = []
         for p in prompts:

