@@ -275,7 +275,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
     client = C.make_client(args.annotator_url, args.annotator_model, "annotator", args)
     with timer("analysis"):
         skills = analyze(trajs, engine, args, client)
-    engine.sleep()
+    engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the SFT steps
     data = [(trajectory_input(tr), s) for tr, s in zip(trajs, skills) if s is not None]  # D_sft
     library = [{"family": tr.family, "won": tr.won, "skill": s} for tr, s in zip(trajs, skills) if s is not None]
     n_traj, n_sft = C.global_sum([len(trajs), len(data)], d.device)

@@ -131,7 +131,7 @@ def teacher_len(args):
     return grsd.teacher_limit(args)
 
 
-def run_update(d, tok, batch, sgd=False, **kw):
+def run_update(d, tok, batch, sgd=False, engine_shift=None, **kw):
     """One grsd_update from the same tiny weights on this rank's groups (group % world == rank). Guidance comes from
     the real group_guidance with a scripted generate. With sgd=True the step is θ − clip(∇L) (lr 1), so the weights
     after it show the gradient itself (Adam's first step is ~lr·sign(∇L) and hides its size). The Â that the
@@ -145,6 +145,12 @@ def run_update(d, tok, batch, sgd=False, **kw):
     engine = ScriptedEngine(tok, [GUIDE])
     mixed, guidance, n_empty = grsd.group_guidance(trajs, refl[2], refl[3], engine, args, C.Timer())
     turns, refls = grsd.build_samples(trajs, adv, refl, guidance, tok, args)
+    if engine_shift is not None:  # engine log-probs ℓ_old − c on every turn token, --rollout_is token
+        args.rollout_is = "token"  # (set after resolve: the CLI allows it only with --engine vllm)
+        old = C.score(C.load_model("tiny", 0), [s.prompt_ids for s in turns], [s.response_ids for s in turns], 8,
+                      d.device)
+        for s, lp in zip(turns, old):
+            s.engine_logp = (lp - engine_shift).tolist()
     policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
     ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
@@ -296,6 +302,18 @@ def test_update_on_expert_trajectories(d, tok, batch):
 
 
 # ------------------------------------------------------------------------------------------------ 2. L_task, L_ref
+
+
+def test_rollout_is_token_weights_the_task_term_and_not_the_reflections(d, tok, batch):
+    """--rollout_is token with π_θold/π_engine = 1.5 on every turn token: at θ = θ_old L_task = 1.5 × the plain one
+    (Â·w in Eq. 13); L_ref (Eq. 14, reflections carry no engine log-probs) and the KL term are unchanged."""
+    plain = cached_update(d, tok, batch, **MAIN).row
+    row = run_update(d, tok, batch, engine_shift=math.log(1.5), **MAIN).row
+    assert plain["losses/task"] != 0 and plain["losses/ref"] != 0
+    assert row["losses/task"] == pytest.approx(1.5 * plain["losses/task"], rel=1e-4)
+    assert row["losses/ref"] == pytest.approx(plain["losses/ref"], abs=1e-7)
+    assert row["losses/kl"] == pytest.approx(plain["losses/kl"], abs=1e-7)
+    assert row["rollout/logp_diff_mean"] == pytest.approx(math.log(1.5), abs=1e-5)
 
 
 def test_task_loss_at_first_step_equals_the_modulated_advantage_by_hand(d, tok, batch, independent):

@@ -4,6 +4,7 @@ recomputed from scratch), ℓ_old/ℓ_skill scored once before any step, micro-b
 the injection function H on real prompts, the analyzer's JSON parsing on ugly replies, analyzer retries over HTTP,
 and end-to-end runs (1 process with an HTTP analyzer, torchrun with 2 ranks, real ALFWorld / Search data)."""
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -91,12 +92,19 @@ def teacher_len(args):
     return opid.teacher_limit(args)
 
 
-def run_update(d, tok, trajs, analyses, sgd=False, **kw):
+def run_update(d, tok, trajs, analyses, sgd=False, engine_shift=None, **kw):
     """One opid_update from the same tiny weights. With sgd=True the step is θ − clip(∇L) (lr 1), so the weights
-    after the step show the gradient itself (Adam's first step is ~lr·sign(∇L) and hides its size)."""
+    after the step show the gradient itself (Adam's first step is ~lr·sign(∇L) and hides its size). engine_shift=c
+    hands every sample engine log-probs ℓ_old − c and turns on --rollout_is token."""
     args = make_args(lr=1e-3, **kw)
     mine = [(tr, a) for tr, a in zip(trajs, analyses) if tr.group % d.world == d.rank]  # whole groups per rank
     samples, adv, _ = opid.build_samples([tr for tr, _ in mine], [a for _, a in mine], tok, args)
+    if engine_shift is not None:  # (set after resolve: the CLI allows --rollout_is only with --engine vllm)
+        args.rollout_is = "token"
+        old = C.score(C.load_model("tiny", 0), [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                      8, d.device)
+        for s, lp in zip(samples, old):
+            s.engine_logp = (lp - engine_shift).tolist()
     policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
     ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
@@ -199,6 +207,20 @@ def test_update_on_expert_trajectories(d, tok, batch):
 
 
 # ------------------------------------------------------------------------------------------------ 2. L_pg
+
+
+def test_rollout_is_token_weights_the_pg_term_of_a_opid(d, tok, batch):
+    """--rollout_is token with π_θold/π_engine = 1.5 on every token (under the cap 2): at θ = θ_old the clipped
+    loss is −Σ w·A_OPID / n = 1.5 × the plain one; the KL term and the mismatch metrics see it as they should."""
+    trajs, analyses = batch
+    plain, _, _, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.5, micro_batch=64)
+    row, _, _, _ = run_update(d, tok, trajs, analyses, sgd=True, lambda_skill=0.5, micro_batch=64,
+                              engine_shift=math.log(1.5))
+    assert plain["losses/pg"] != 0
+    assert row["losses/pg"] == pytest.approx(1.5 * plain["losses/pg"], rel=1e-4)
+    assert row["losses/kl"] == pytest.approx(plain["losses/kl"], abs=1e-7)  # KL is not reweighted
+    assert row["rollout/logp_diff_mean"] == pytest.approx(math.log(1.5), abs=1e-5)
+    assert row["rollout/ratio_off_frac"] == 1.0 and "rollout/logp_diff_mean" not in plain
 
 
 def test_pg_loss_at_first_minibatch_equals_token_sum_of_a_opid(d, tok, batch, independent):
