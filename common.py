@@ -20,6 +20,7 @@ Conventions (see DESIGN.md §3-4):
 from __future__ import annotations
 
 import datetime
+import functools
 import http.client
 import json
 import math
@@ -566,7 +567,8 @@ def rollout_metrics(trajs: list[Trajectory], d: Dist, prefix: str = "charts/") -
             prefix + "invalid_action_rate": s[4] / max(s[3], 1), prefix + "response_tokens": s[5] / max(s[3], 1)}
 
 
-def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_response, temperature, seed) -> dict:
+def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_response, temperature, seed,
+             prefix: str = "eval/") -> dict:
     """Held-out success: per task family, over all instances (`eval/success`, GRSD's average) and with families
     weighted equally (`eval/success_family_avg`, SEED Eq. 16). Sampling draws from its own stream seeded by `seed`,
     so a checkpoint scores the same during training and with --eval_only, and eval never shifts the training RNG."""
@@ -579,11 +581,11 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
     for part in all_gather_objects([(tr.family, tr.won) for tr in trajs]):
         for fam, won in part:
             per_family.setdefault(fam, []).append(int(won))
-    out = {f"eval/success/{f}": sum(v) / len(v) for f, v in sorted(per_family.items())}
+    out = {f"{prefix}success/{f}": sum(v) / len(v) for f, v in sorted(per_family.items())}
     wins = [w for v in per_family.values() for w in v]
-    out["eval/success_family_avg"] = sum(out.values()) / max(len(out), 1)
-    out["eval/success"] = sum(wins) / max(len(wins), 1)
-    out.update({k: v for k, v in rollout_metrics(trajs, d, "eval/").items() if k != "eval/success_rate"})
+    out[f"{prefix}success_family_avg"] = sum(out.values()) / max(len(out), 1)
+    out[f"{prefix}success"] = sum(wins) / max(len(wins), 1)
+    out.update({k: v for k, v in rollout_metrics(trajs, d, prefix).items() if k != f"{prefix}success_rate"})
     return out
 
 
@@ -1043,15 +1045,14 @@ class Run:
                   f"args: {os.path.join(self.out, 'args.json')}")
 
 
-def eval_only(args, method: str, d: Dist, tok, make_valid, valid_ids):
+def eval_only(args, method: str, d: Dist, tok, evals):
     """--eval_only: score args.model (hub id, path or a run's checkpoint) on args.eval_split with `evaluate`, as
     training does, and write one row (the papers' Vanilla row). No policy update, no FSDP copy. Returns the engine
     (for shutdown)."""
     run, timer = Run(args, method, d, total=1), Timer()
     engine = make_engine(args, args.model, tok, d)
     with timer("eval"):
-        row = evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
-                       args.eval_temperature, args.seed)
+        row = evaluate_all(engine, evals, args, d)
     run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
     run.close()
     return engine
@@ -1162,28 +1163,43 @@ def endpoint_metrics(client: ChatClient | None, seen: list[int], d: Dist, requir
 # ----------------------------------------------------------------------------------------------------------------
 
 
+EVAL_SPLITS = ("valid_seen", "valid_unseen", "both")  # both: valid_seen logs as eval/*, valid_unseen as eval_unseen/*
+
+
 def task_envs(args):
-    """From a method's Args: the train task ids, a seeded sample of `eval_tasks` held-out ids (split `eval_split`),
-    and environment factories for both splits."""
+    """From a method's Args: the train task ids, the train env factory, and one (metrics prefix, env factory, ids)
+    per held-out split of --eval_split: a seeded sample of `eval_tasks` ids of that split."""
     import envs
     kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps)
     if args.env == "search":
         kw.update(retriever_url=args.retriever_url, timeout=args.retriever_timeout, retries=args.retriever_retries)
     make_train = lambda: envs.make_env(args.env, split="train", **kw)  # noqa: E731
-    make_valid = lambda: envs.make_env(args.env, split=args.eval_split, **kw)  # noqa: E731
-    valid_ids = make_valid().task_ids()
-    valid_ids = random.Random(args.seed).sample(valid_ids, min(args.eval_tasks, len(valid_ids)))
-    return make_train().task_ids(), valid_ids, make_train, make_valid
+    splits = [("eval/", "valid_seen"), ("eval_unseen/", "valid_unseen")] if args.eval_split == "both" \
+        else [("eval/", args.eval_split)]
+    evals = []
+    for prefix, split in splits:
+        make_valid = functools.partial(envs.make_env, args.env, split=split, **kw)
+        ids = make_valid().task_ids()
+        evals.append((prefix, make_valid, random.Random(args.seed).sample(ids, min(args.eval_tasks, len(ids)))))
+    return make_train().task_ids(), make_train, evals
 
 
-def validate(update: int, args, engine, policy, make_valid, valid_ids, d: Dist, timer) -> dict:
+def evaluate_all(engine, evals, args, d: Dist) -> dict:
+    """`evaluate` on every held-out split of task_envs, each under its own metrics prefix."""
+    row = {}
+    for prefix, make_valid, ids in evals:
+        row.update(evaluate(engine, make_valid, ids, d, args.max_prompt_len, args.max_response_len,
+                            args.eval_temperature, args.seed, prefix))
+    return row
+
+
+def validate(update: int, args, engine, policy, evals, d: Dist, timer) -> dict:
     """Held-out success every `eval_every` updates and after the last, with θ pushed to the engine first."""
     if not args.eval_every or ((update + 1) % args.eval_every and update + 1 != args.updates):
         return {}
     engine.sync(policy)
     with timer("eval"):
-        return evaluate(engine, make_valid, valid_ids, d, args.max_prompt_len, args.max_response_len,
-                        args.eval_temperature, args.seed)
+        return evaluate_all(engine, evals, args, d)
 
 
 def sample_tasks(task_ids: list[str], k: int, update: int, seed: int) -> list[str]:

@@ -20,7 +20,7 @@ happens." in ALFWorld) and the reward is -invalid_penalty. No input string makes
 Environments
 ------------
 household  A small seeded text household mimicking ALFWorld's commands, texts and six task families.
-           200 train, 30 valid_seen, 30 valid_unseen tasks ("household-train-17"); a layout is a function of
+           200 train, 60 valid_seen, 60 valid_unseen tasks ("household-train-17"); a layout is a function of
            (seed, task id); valid_unseen uses object types never seen in train. A privileged scripted
            expert solves every task, also when it takes over mid-episode.
 alfworld   The real games via `alfworld` (pip install alfworld==0.4.2 pyyaml), one game file per instance.
@@ -252,7 +252,7 @@ class HouseholdEnv(Env):
     """ALFWorld-like household; all state lives in loc/holding/objects/opened/lamp_on."""
     name = "household"
 
-    def __init__(self, split="train", seed=0, data_dir=None, n_train=200, n_valid=30, **kw):
+    def __init__(self, split="train", seed=0, data_dir=None, n_train=200, n_valid=60, **kw):
         super().__init__(**kw)
         self.seed, self._ids = seed, [f"household-{split}-{i}" for i in range(n_train if split == "train" else n_valid)]
 

@@ -131,8 +131,8 @@ class Args:
     rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
-    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one)",
-                          ("valid_seen", "valid_unseen"))
+    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
+                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", C.EVAL_SPLITS)
     eval_temperature: float = arg(0.6, "validation sampling temperature (paper 0.6)")
     save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
     # The run directory (common.Run)
@@ -542,9 +542,9 @@ def main(args: Args):
     args = resolve(args)
     d = C.init_distributed(args.seed)
     tok = C.load_tokenizer(args.model)
-    train_ids, valid_ids, make_train, make_valid = C.task_envs(args)
+    train_ids, make_train, evals = C.task_envs(args)
     if args.eval_only:
-        return C.shutdown(C.eval_only(args, "grsd", d, tok, make_valid, valid_ids))
+        return C.shutdown(C.eval_only(args, "grsd", d, tok, evals))
     run = C.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client, seen = C.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
 
@@ -586,7 +586,7 @@ def main(args: Args):
                     **C.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.validate(update, args, engine, policy, make_valid, valid_ids, d, timer))
+        row.update(C.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
     C.shutdown(engine)

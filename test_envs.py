@@ -75,7 +75,7 @@ def test_household_expert_solves_every_task(split, limit):
 
 def test_household_splits_are_deterministic_and_unseen_types_are_held_out():
     train, seen, unseen = (make_env("household", s) for s in envs.SPLITS)
-    assert len(train.task_ids()) == 200 and len(seen.task_ids()) == 30 == len(unseen.task_ids())
+    assert len(train.task_ids()) == 200 and len(seen.task_ids()) == 60 == len(unseen.task_ids())
     assert train.task_ids()[17] == "household-train-17"
     for env in (train, seen):
         for task_id in env.task_ids():

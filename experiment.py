@@ -1,0 +1,862 @@
+"""Learning evidence in miniature (household env, 2 CPU cores): a warm-started backbone, GRPO, and SEED / OPID / GRSD
+against it at the same rollout budget, 3 seeds each. README "Learning evidence" shows what this printed.
+
+  python experiment.py                       # all of it: backbone, oracle, 12 runs + 3 backbone evals, report
+  python experiment.py backbone              # 1. the warm start only -> runs/experiment/backbone (HF checkpoint)
+  python experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
+  python experiment.py report                # 4. curves.png + table.md from the finished runs
+  python experiment.py --smoke               # a 2-update version of everything (what test_experiment.py runs)
+
+1. Backbone: a stand-in for an instruction-tuned LLM. A 4-layer Qwen2-style model with a byte-level BPE trained on
+   household text (Qwen2's pre-tokenizer), behaviour-cloned on the household env's privileged scripted expert, on
+   train tasks only: acting in the <think>/<action> format (half of the prompts carry a true hint in one of the
+   three methods' skill / guidance formats, and the expert follows it), SEED skills and GRSD reflections /
+   guidance written from noisy-expert trajectories. The warm start stops early (mediocre on held-out tasks).
+2. External models: an ORACLE STAND-IN for the papers' GLM-5.2 / DeepSeek annotator, analyzer and judge. It is an
+   OpenAI-compatible HTTP endpoint that parses the trajectory it is sent, finds the task and replays the actions
+   in the privileged household env, and writes from the replay: SEED hindsight skills, OPID's JSON (episode skill
+   + step skills for the critical steps) and 0-3 judge scores of reflections. Its texts state only what the
+   trajectory shows or implies (where objects were seen, which step went wrong, what was never searched); the
+   privileged state checks those statements and never adds a fact the trajectory does not contain. A trajectory
+   it cannot replay gets a generic text from the task alone (counted in /stats).
+3. Runs: GRPO (seed.py --skip_sft --lambda_opd 0), SEED (both stages; the oracle annotates stage 1, the policy
+   analyzes in stage 2), OPID (oracle analyzer), GRSD (policy reflections, oracle judge); the same env, tasks per
+   update, group size, updates, learning rate, KL and seeds; eval on valid_seen and valid_unseen (60 tasks each).
+4. Report: curves (mean ± std over seeds per method) and a table (start / final / best eval success, seconds per
+   update by phase).
+
+Deviations / choices:
+  * The oracle's skills name receptacles and objects with their numbers ("the mug 1 was on the countertop 2"):
+    grounding a household skill needs them, although SEED's analyzer prompt asks for no object numbers.
+  * The env's expert is privileged (it walks to the object without searching). Without a hint the cloned policy
+    can only guess where to search, which is what leaves room for RL; with a hint it should walk straight there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import envs
+from envs import APPLIANCE, OPENABLE, TREATMENT, kind
+
+OUT = "runs/experiment"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 1. Hindsight facts of one household trajectory: replay its actions in the privileged env, keep what it showed
+# ------------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Facts:
+    task: str
+    family: str
+    otype: str                      # the object type the task needs
+    rtype: str                      # the receptacle type it goes to
+    won: bool
+    actions: list                   # per step: the action, or None for an invalid step
+    targets_seen: dict = field(default_factory=dict)   # object name -> (first 0-based step it was seen at, where)
+    lamp_seen: str | None = None    # where the desklamp was seen, if it was
+    visited: list = field(default_factory=list)        # receptacles the agent went to, in order
+    searched: list = field(default_factory=list)       # receptacles whose contents an observation showed, in order
+    unexplored: list = field(default_factory=list)     # receptacles whose contents were never shown
+    wrong_takes: list = field(default_factory=list)    # (step, object) of other types picked up
+    repeats: list = field(default_factory=list)        # steps that repeated the previous action
+    took: list = field(default_factory=list)           # (step, object, receptacle) of target objects taken
+    treated: int | None = None      # step of the clean / heat / cool of a target object
+    placed: int | None = None       # step the (last) target object was put on the goal receptacle
+    target_rec: str = ""            # the goal receptacle to name (the room listing shows every receptacle)
+
+
+OBJECT_RE = re.compile(r"\b([a-z]+) (\d+)\b")
+
+
+def replay(env: envs.HouseholdEnv, task_id: str, actions: list) -> tuple[Facts, list[str]]:
+    """Play `actions` (None = an invalid step) from the start of task_id; returns the facts and the observations."""
+    env.reset(task_id)
+    s = env.spec
+    f = Facts(env.task, env.family, s["otype"], s["rtype"], False, list(actions))
+    f.target_rec = next(r for r in s["receptacles"] if kind(r) == s["rtype"])
+    observations, prev = [], None
+    for t, action in enumerate(actions):
+        response = envs.format_expert_response(action, "household") if action else "(no action)"
+        obs, _, done, info = env.step(response)
+        observations.append(obs)
+        if action is not None and not info["valid"]:
+            raise ValueError(f"step {t}: {action!r} is not admissible in the replay")
+        if action is None:
+            continue
+        verb = action.split()[0]
+        if action == prev:
+            f.repeats.append(t)
+        prev = action
+        if verb == "go":
+            f.visited.append(action[len("go to "):])
+        if verb in ("go", "open", "examine") and env.loc and (kind(env.loc) not in OPENABLE or env.loc in env.opened):
+            f.searched = [r for r in f.searched if r != env.loc] + [env.loc]  # its contents are in this observation
+        for name, num in OBJECT_RE.findall(obs):  # what this observation showed, checked against the state
+            obj = f"{name} {num}"
+            where = env.objects.get(obj, {}).get("loc")
+            if name == s["otype"] and where not in (None, "hand") and obj not in f.targets_seen:
+                f.targets_seen[obj] = (t, where)
+            if obj == "desklamp 1" and env.loc == s["lamp_at"]:
+                f.lamp_seen = f.lamp_seen or env.loc
+        if verb == "take":
+            obj, rec = action[len("take "):].split(" from ")
+            if env.objects[obj]["type"] == s["otype"]:
+                f.took.append((t, obj, rec))
+            else:
+                f.wrong_takes.append((t, obj))
+        if verb in APPLIANCE and env.objects[env.holding]["type"] == s["otype"]:
+            f.treated = t
+        if verb == "move":
+            obj, rec = action[len("move "):].split(" to ")
+            if env.objects[obj]["type"] == s["otype"] and kind(rec) == s["rtype"]:
+                f.placed, f.target_rec = t, rec
+        if done:
+            break
+    f.won = env.won
+    f.unexplored = [r for r in s["receptacles"] if r not in f.searched and kind(r) != s["rtype"]]
+    return f, observations
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The oracle's texts, written from the facts only
+# ------------------------------------------------------------------------------------------------------------------
+
+def plan_from(f: Facts, obj: str, rec: str) -> list[str]:
+    """The grounded workflow once `obj` is known to be at `rec`: commands the agent would type."""
+    steps = [f"go to {rec}"] + ([f"open {rec}"] if kind(rec) in OPENABLE else []) + [f"take {obj} from {rec}"]
+    need = TREATMENT.get(f.family)
+    if need:
+        steps += [f"go to {APPLIANCE[need]}", f"{need} {obj} with {APPLIANCE[need]}"]
+    if f.family == "look_at_obj_in_light":
+        steps += [f"go to {f.lamp_seen}", "use desklamp 1"] if f.lamp_seen else ["find the desklamp and use it"]
+    else:
+        steps += [f"go to {f.target_rec}", f"move {obj} to {f.target_rec}"]
+    return steps
+
+
+def first_target(f: Facts):
+    """(object, receptacle, step) of the first target object the trajectory showed, else None."""
+    if not f.targets_seen:
+        return None
+    obj, (t, rec) = min(f.targets_seen.items(), key=lambda kv: kv[1][0])
+    return obj, rec, t
+
+
+def sentence(steps: list[str]) -> str:
+    return ", then ".join(steps) + "."
+
+
+def seed_skill(f: Facts) -> str:
+    """SEED's hindsight skill: 'Workflow: …' after a success, 'Avoid …' after a failure; at most three sentences."""
+    seen = first_target(f)
+    if f.won and seen:
+        obj, rec, _ = seen
+        return f"Workflow: the {obj} was at the {rec}. " + sentence(plan_from(f, obj, rec)).capitalize()
+    if seen:
+        obj, rec, t = seen
+        return (f"Avoid wandering after the {f.otype} is found: the {obj} was seen at the {rec} at step {t + 1}. "
+                + sentence(plan_from(f, obj, rec)).capitalize())
+    searched = ", ".join(f.searched[-4:]) or "nothing"
+    nxt = ", ".join(f.unexplored[:3]) or f.target_rec
+    text = f"Avoid searching the same places again: no {f.otype} was at {searched}. Search {nxt} next."
+    if sum(a is None for a in f.actions) > len(f.actions) / 3:
+        text += " Write exactly one admissible action inside <action> </action> every step."
+    return text
+
+
+def step_skills(f: Facts, k: int) -> dict[int, str]:
+    """OPID's critical steps (0-based) with one imperative instruction each, at most k."""
+    out: dict[int, str] = {}
+    seen = first_target(f)
+    for t, a in enumerate(f.actions):
+        if a is None:
+            out.setdefault(t, "Write exactly one admissible action inside <action> </action>.")
+    for t, obj in f.wrong_takes:
+        out.setdefault(t, f"Do not pick up the {obj}: the task needs a {f.otype}.")
+    if seen:
+        obj, rec, t_seen = seen
+        took = [t for t, o, _ in f.took if o == obj]
+        if took:
+            out.setdefault(took[0], f"Take the {obj} from the {rec}: it is what the task needs.")
+        else:  # the first step after seeing it that did not take it
+            t = t_seen + 1
+            if t < len(f.actions):
+                out.setdefault(t, f"Take the {obj} from the {rec} now: you have found it.")
+    elif f.repeats:
+        nxt = f.unexplored[0] if f.unexplored else f.target_rec
+        out.setdefault(f.repeats[0], f"Do not repeat the last action; go to {nxt}, which is not searched yet.")
+    if f.treated is not None:
+        need = TREATMENT[f.family]
+        out.setdefault(f.treated, f"{need.capitalize()} the {f.otype} with the {APPLIANCE[need]} before placing it.")
+    return dict(sorted(out.items())[:k])
+
+
+def opid_analysis(f: Facts, k: int) -> str:
+    return json.dumps({"episode_skill": seed_skill(f), "step_skills": {str(t): s for t, s in step_skills(f, k).items()}})
+
+
+def reflection(f: Facts) -> str:
+    """A GRSD reflection (three numbered points tied to turns): the text the backbone learns to write."""
+    seen, points = first_target(f), []
+    if f.won and seen:
+        obj, rec, _ = seen
+        t_take = next((t for t, o, _ in f.took if o == obj), None)
+        points.append(f"At turn {(t_take or 0) + 1} I took the {obj} from the {rec}; go there first.")
+        if f.treated is not None:
+            need = TREATMENT[f.family]
+            points.append(f"At turn {f.treated + 1} I used the {APPLIANCE[need]} to {need} it; keep that step.")
+        else:
+            points.append(f"I carried the {obj} straight to where the task needed it; do not detour.")
+        end = f.placed if f.placed is not None else len(f.actions) - 1
+        points.append(f"At turn {end + 1} the task was done with {f.target_rec if f.placed is not None else 'the desklamp'}; "
+                      "repeat this order.")
+    else:
+        bad = [t for t, a in enumerate(f.actions) if a is None]
+        if f.wrong_takes:
+            t, obj = f.wrong_takes[0]
+            points.append(f"At turn {t + 1} I took the {obj}, which the task does not need; take a {f.otype}.")
+        elif bad:
+            points.append(f"At turn {bad[0] + 1} my reply was invalid; write one admissible action in <action> </action>.")
+        else:
+            points.append(f"I searched {', '.join(f.searched[-3:]) or 'nowhere'} and ran out of steps.")
+        if seen:
+            obj, rec, t = seen
+            points.append(f"The {obj} was at the {rec} at turn {t + 1}; go there and take it.")
+            points.append("Then " + sentence(plan_from(f, obj, rec)[2:] or ["finish the task"]))
+        else:
+            points.append(f"No {f.otype} was at {', '.join(f.searched[-3:]) or 'the start'}; search "
+                          f"{', '.join(f.unexplored[:2]) or f.target_rec} next.")
+            points.append("Do not repeat actions; every step should open or visit a new place.")
+    return "\n".join(f"{i}. {p}" for i, p in enumerate(points[:3], 1))
+
+
+def guidance(task: str, good: list[Facts], bad: list[Facts]) -> str:
+    """GRSD group guidance z_x (DO / AVOID bullets) from the facts behind the reflections it contrasts."""
+    do = []
+    for f in good:
+        seen = first_target(f)
+        if seen:
+            do.append(f"- Go to the {seen[1]} and take the {seen[0]}.")
+            do += [f"- {s[0].upper() + s[1:]}." for s in plan_from(f, seen[0], seen[1])[3:]]
+            break
+    do = (do or [f"- Find a {good[0].otype if good else 'target object'} and finish the task."])[:4]
+    avoid = []
+    for f in bad:
+        if f.wrong_takes:
+            avoid.append(f"- Do not pick up the {f.wrong_takes[0][1]}.")
+        if any(a is None for a in f.actions):
+            avoid.append("- Do not write invalid actions.")
+        if f.repeats:
+            avoid.append("- Do not repeat the same action.")
+        avoid.append("- Do not run out of steps searching.")
+    avoid = list(dict.fromkeys(avoid))[:3]
+    return "### DO\n" + "\n".join(do) + ("\n### AVOID\n" + "\n".join(avoid) if bad else "")
+
+
+TURN_RE = re.compile(r"\bturn (\d+)\b", re.I)
+
+
+def judge_score(f: Facts, reflection_text: str, shown: str) -> int:
+    """0-3 by the judge rubric, checked against the replay: 0 if it invents an object / place the attempt never showed
+    or contradicts the outcome; else 1 + (names the decisive place or turn) + (concrete: cites a turn that exists)."""
+    text = reflection_text.lower()
+    named = {f"{a} {b}" for a, b in OBJECT_RE.findall(text) if a not in ("turn", "step")}
+    if any(n not in shown for n in named):
+        return 0
+    claims_success = any(w in text for w in ("was done", "succeeded", "finished the task", "repeat this"))
+    claims_failure = any(w in text for w in ("invalid", "ran out", "failed", "does not need", "wrong"))
+    if (f.won and claims_failure and not claims_success) or (not f.won and claims_success and not claims_failure):
+        return 0
+    seen = first_target(f)
+    decisive = ({seen[0], seen[1]} if seen else set(f.unexplored[:2])) | ({f.target_rec} if f.won else set())
+    turns = [int(t) for t in TURN_RE.findall(text)]
+    concrete = bool(turns) and all(1 <= t <= len(f.actions) for t in turns)
+    return 1 + bool(decisive & named) + concrete
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 2. Warm-start data: the privileged expert on train tasks (layout seeds the runs never use), hinted or not
+# ------------------------------------------------------------------------------------------------------------------
+
+DATA_SEEDS = (1000, 1001, 1002)  # household layouts are a function of (seed, task id): the runs use seeds 0-2
+
+
+def play(env, task_id: str, eps: float, rng: random.Random, invalid: float = 0.05) -> tuple[list, list]:
+    """One episode of a noisy expert: the expert's action, a random admissible one with prob. eps, or an invalid
+    reply with prob. `invalid`. Returns (the states' agent prompts with the expert's label, the actions taken)."""
+    env.reset(task_id)
+    labelled, actions = [], []
+    while not env.done:
+        expert = env.expert_action()
+        labelled.append((env.prompt(), expert, env.loc, env.holding))
+        u = rng.random()
+        action = None if u < invalid else rng.choice(env.admissible()) if u < invalid + eps else expert
+        env.step(envs.format_expert_response(action, "household") if action else "<think>hmm</think> go")
+        actions.append(action)
+    return labelled, actions
+
+
+def as_trajectory(env, task_id: str, actions: list):
+    """A common.Trajectory of a replayed action list (token ids left empty: only the analysis prompts need it)."""
+    import common as C
+    env.reset(task_id)
+    traj = C.Trajectory(task_id, 0, env.task, env.family, env.observation)
+    for a in actions:
+        text = envs.format_expert_response(a, "household") if a else "<think>hmm</think> go"
+        obs, reward, _, info = env.step(text)
+        traj.turns.append(C.Turn("", [], [], text, info["action"] if info["valid"] else None, info["valid"], obs,
+                                 reward))
+        traj.won = bool(info["won"])
+    return traj
+
+
+def hinted_prompt(prompt: str, style: str, ok: Facts, bad: Facts | None, expert: str) -> str:
+    """The agent prompt with a true hint in one method's format; the hint is about the successful episode `ok`."""
+    import grsd
+    import opid
+    import seed
+    if style == "seed":
+        return seed.inject_skill(prompt, seed_skill(ok))
+    if style == "opid_episode":
+        return opid.inject_skill(prompt, episode=seed_skill(ok))[0]
+    if style == "opid_step":
+        return opid.inject_skill(prompt, step=f"{expert[0].upper() + expert[1:]}.")[0]
+    return grsd.inject_guidance(prompt, guidance("", [ok], [bad] if bad else []))
+
+
+HINT_STYLES = ("seed", "opid_episode", "opid_step", "grsd")
+
+
+def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0) -> list[tuple[str, str, str]]:
+    """(kind, user text, target response) pairs: 'act' (plain or hinted prompt -> expert response), 'skill' (SEED's
+    x_τ -> <skill>…</skill>), 'reflect' (GRSD's p_ref -> three points), 'guide' (GRSD's p_guide -> DO / AVOID)."""
+    import grsd
+    import seed as seed_mod
+    rng, pairs = random.Random(seed), []
+    for data_seed in DATA_SEEDS:
+        env = envs.HouseholdEnv("train", seed=data_seed, max_steps=max_steps)
+        for task_id in env.task_ids()[:n_tasks]:
+            clean, clean_actions = play(env, task_id, 0.0, rng, invalid=0.0)
+            ok, _ = replay(env, task_id, clean_actions)
+            noisy = [play(env, task_id, eps, rng) for eps in (0.3, 0.6)]
+            facts = [replay(env, task_id, acts)[0] for _, acts in noisy]
+            bad = next((f for f in facts if not f.won), None)
+            for prompt, expert, _, _ in clean + noisy[0][0]:  # acting, no hint (DAgger-style labels on noisy states)
+                pairs.append(("act", prompt, envs.format_expert_response(expert, "household")))
+            style = rng.choice(HINT_STYLES)
+            for prompt, expert, _, _ in clean:  # acting with a hint the expert agrees with
+                pairs.append(("act", hinted_prompt(prompt, style, ok, bad, expert),
+                              envs.format_expert_response(expert, "household")))
+            for f, (_, acts) in zip([ok] + facts, [(None, clean_actions)] + noisy):
+                traj = as_trajectory(env, task_id, acts)
+                if rng.random() < 0.5:
+                    pairs.append(("skill", seed_mod.trajectory_input(traj), f"<skill>{seed_skill(f)}</skill>"))
+                else:
+                    pairs.append(("reflect", grsd.reflection_prompt(traj, 400), reflection(f)))
+            if bad is not None and rng.random() < 0.5:
+                good_r, bad_r = [reflection(ok)], [reflection(bad)]
+                pairs.append(("guide", grsd.guidance_prompt(ok.task, good_r, bad_r), guidance(ok.task, [ok], [bad])))
+    return pairs
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 3. The backbone: tokenizer + 4-layer Qwen2 config, behaviour cloning, early stop, HF checkpoint
+# ------------------------------------------------------------------------------------------------------------------
+
+SELECT_SEED = 999  # the early stop is judged on valid_seen layouts of this seed (the runs evaluate seeds 0-2)
+
+
+def build_tokenizer(texts: list[str], vocab: int = 2048):
+    """common.build_tiny_tokenizer's recipe (Qwen2 pre-tokenizer, NFC, byte-level BPE, ChatML) on household text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    import common as C
+    tk = Tokenizer(models.BPE())
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(texts + [C._TINY_CORPUS], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   padding_side="left", chat_template=C.CHATML_TEMPLATE)
+
+
+def build_backbone(vocab_size: int, seed: int, layers: int = 4, hidden: int = 256):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=None, eos_token_id=2,
+                      pad_token_id=0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def eval_success(model, tok, split: str, layout_seed: int, max_steps: int, n: int = 60) -> float:
+    """Greedy-free held-out success at the runs' eval temperature 0.4 (common.evaluate without a process group)."""
+    import torch
+    import common as C
+    engine = C.HFEngine(model, tok, torch.device("cpu"))
+    make = lambda: envs.HouseholdEnv(split, seed=layout_seed, max_steps=max_steps)  # noqa: E731
+    torch.manual_seed(0)
+    trajs, _ = C.collect(engine, make, make().task_ids()[:n], 1, 1024, 48, 0.4, 1.0)
+    model.train().requires_grad_(True)  # HFEngine froze it
+    return sum(t.won for t in trajs) / len(trajs)
+
+
+def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int = 200, batch: int = 16,
+               lr: float = 1e-3, seed: int = 0, target: tuple = (0.2, 0.4), log=print) -> dict:
+    """Behaviour cloning (token NLL of the responses); at each step in `checks` the held-out success (valid_seen,
+    layout seed SELECT_SEED) is measured and the first checkpoint inside `target` is kept (else the last one)."""
+    import torch
+    import common as C
+    t0 = time.time()
+    pairs = warm_start_data(n_tasks, max_steps, seed)
+    tok = build_tokenizer([u for _, u, _ in pairs[::7]] + [r for _, _, r in pairs[::3]])
+    model = build_backbone(len(tok), seed)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    encoded = {}
+    for k, user, resp in pairs:
+        encoded.setdefault(k, []).append((C.chat_ids(tok, user), tok(resp, add_special_tokens=False)["input_ids"] + [eos]))
+    log(f"[backbone] {len(pairs)} pairs {dict((k, len(v)) for k, v in encoded.items())}, vocab {len(tok)}, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, data {time.time() - t0:.0f} s")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20))
+    rng, history, kept = random.Random(seed), [], None
+    kinds, weights = ["act", "skill", "reflect", "guide"], [0.7, 0.12, 0.12, 0.06]
+    for step in range(1, steps + 1):
+        k = rng.choices(kinds, weights)[0]
+        rows = rng.sample(encoded[k], batch if k == "act" else batch // 2)
+        logp, mask = C.sequence_logprobs(model, [p for p, _ in rows], [r for _, r in rows], torch.device("cpu"))
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        history.append({"step": step, "kind": k, "nll": loss.item()})
+        if step % 25 == 0:
+            log(f"[backbone] step {step} nll {sum(h['nll'] for h in history[-25:]) / 25:.3f} ({time.time() - t0:.0f} s)")
+        if step in checks:
+            t_eval = time.time()
+            success = eval_success(model, tok, "valid_seen", SELECT_SEED, max_steps)
+            history[-1]["select_success"] = success
+            log(f"[backbone] step {step}: valid_seen success (layout seed {SELECT_SEED}) {success:.3f} "
+                f"({time.time() - t_eval:.0f} s)")
+            if kept is None and (target[0] <= success <= target[1] or step == max(checks)):
+                kept = {"step": step, "select_success": success}
+                model.save_pretrained(out)
+                tok.save_pretrained(out)
+                break
+    info = {**kept, "history": history, "seconds": time.time() - t0, "pairs": len(pairs), "lr": lr, "batch": batch}
+    with open(os.path.join(out, "warm_start.json"), "w") as f:
+        json.dump(info, f)
+    return info
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 4. The oracle endpoint: parse the trajectory a method sends, find its task, replay it, answer for the role
+# ------------------------------------------------------------------------------------------------------------------
+
+INVALID_MARKS = ("(invalid", "INVALID")
+TASK_LINE_RE = re.compile(r"^Task: (.+)$", re.M)
+FORMATS = {  # role -> (first-observation regex, per-step (action, observation) regex), as seed.py / opid.py / grsd.py
+    "seed": (re.compile(r"^Initial observation: (.*)$", re.M),
+             re.compile(r"^Step \d+\n  Action: (.*)\n  Observation: (.*)\n  Reward: ", re.M)),
+    "opid": (re.compile(r"^\[Step 0\]\nObservation: (.*)$", re.M),
+             re.compile(r"^Action: (.*)\nFeedback: reward [^\n]*\n(?:\[Step \d+\]\nObservation|Final observation): "
+                        r"(.*)$", re.M)),
+    "judge": (re.compile(r"^Initial observation: (.*)$", re.M),
+              re.compile(r"^Turn \d+: action: (.*)\n  observation: (.*)$", re.M)),
+}
+
+
+def role_of(prompt: str) -> str | None:
+    import grsd
+    import opid
+    import seed
+    if seed.ANALYZER_INSTRUCTIONS in prompt:
+        return "seed"
+    if "Extract hindsight skills from it." in prompt and '"episode_skill"' in prompt:
+        return "opid"
+    if prompt.startswith("Grade an agent's reflection") and "\nReflection:\n" in prompt:
+        return "judge"
+    return None
+
+
+@dataclass
+class Parsed:
+    task: str
+    first_obs: str
+    steps: list  # (action or None, observation text as shown)
+    reflection: str = ""
+
+
+def parse_record(prompt: str, role: str) -> Parsed | None:
+    """The task, first observation and steps of a trajectory in the prompt format of `role`; None if it does not
+    parse. The judge's prompt also carries the reflection to grade."""
+    first_re, step_re = FORMATS[role]
+    body, reflection_text = prompt, ""
+    if role == "judge":
+        body, _, rest = prompt.partition("\nReflection:\n")
+        reflection_text = rest.split("\n\nCriteria:")[0]
+    task, first = TASK_LINE_RE.search(body), first_re.search(body)
+    if not task or not first:
+        return None
+    steps = [(None if a.startswith(INVALID_MARKS) else a.strip(), o) for a, o in step_re.findall(body)]
+    return Parsed(task.group(1).strip(), first.group(1), steps, reflection_text)
+
+
+class Oracle:
+    """Finds a parsed trajectory's task among the household train tasks of the given layout seeds and replays it.
+    Counts: requests, replayed, fallbacks (a text from the task alone), by role."""
+
+    def __init__(self, seeds=(0, 1, 2), max_steps: int = 10, max_critical: int = 5):
+        self.max_critical, self.index, self.envs = max_critical, {}, {}
+        for s in seeds:
+            env = envs.HouseholdEnv("train", seed=s, max_steps=max_steps)
+            self.envs[s] = env
+            for tid in env.task_ids():
+                spec = envs.make_household_task(tid, s)
+                self.index.setdefault(spec["task"], []).append((s, tid))
+        self.stats, self.lock = {}, threading.Lock()
+
+    def count(self, key: str):
+        with self.lock:
+            self.stats[key] = self.stats.get(key, 0) + 1
+
+    def facts(self, parsed: Parsed) -> tuple[Facts, str] | None:
+        """The replayed facts and the text the trajectory showed (for the judge's 'never invented' check)."""
+        for s, tid in self.index.get(parsed.task, []):
+            env = self.envs[s]
+            env.reset(tid)
+            if not env.observation.startswith(parsed.first_obs[:200]):
+                continue
+            try:
+                f, observations = replay(env, tid, [a for a, _ in parsed.steps])
+            except (ValueError, KeyError):
+                continue
+            if len(observations) == len(parsed.steps) and all(
+                    o.startswith(shown[:150]) for o, (_, shown) in zip(observations, parsed.steps)):
+                shown = " ".join([env.spec["task"], parsed.first_obs] + [f"{a} {o}" for a, o in zip(f.actions,
+                                                                                                  observations)])
+                return f, shown
+        return None
+
+    def reply(self, prompt: str) -> str:
+        role = role_of(prompt)
+        self.count(f"requests/{role}")
+        parsed = parse_record(prompt, role) if role else None
+        found = self.facts(parsed) if parsed else None
+        self.count(f"{'replayed' if found else 'fallback'}/{role}")
+        if role is None:
+            return "I can only analyze household trajectories."
+        if found is None:  # nothing to ground a statement in: a text from the task line alone
+            task = parsed.task if parsed else "the task"
+            generic = f"Avoid acting at random: read the task ({task}) and search each place once."
+            return {"seed": f"<skill>{generic}</skill>", "judge": "1",
+                    "opid": json.dumps({"episode_skill": generic, "step_skills": {}})}[role]
+        f, shown = found
+        if role == "seed":
+            return f"<skill>{seed_skill(f)}</skill>"
+        if role == "opid":
+            return opid_analysis(f, self.max_critical)
+        return str(judge_score(f, parsed.reflection, shown))
+
+
+def serve_oracle(oracle: Oracle, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """OpenAI-compatible POST /v1/chat/completions (the last user message is the prompt); GET /stats. Runs in a
+    daemon thread; returns the server (server.server_address[1] is the port)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send(200, dict(oracle.stats)) if self.path.rstrip("/").endswith("/stats") else self._send(404, {})
+
+        def do_POST(self):
+            if not self.path.rstrip("/").endswith("/chat/completions"):
+                return self._send(404, {"error": "POST /v1/chat/completions"})
+            try:
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                prompt = [m for m in req["messages"] if m.get("role") == "user"][-1]["content"]
+                if not isinstance(prompt, str):
+                    prompt = "".join(p.get("text", "") for p in prompt if isinstance(p, dict))
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+                return self._send(400, {"error": "expected {'messages': [{'role': 'user', 'content': ...}]}"})
+            try:
+                text = oracle.reply(prompt)
+            except Exception as e:  # an oracle bug must not look like a network failure: say what broke
+                oracle.count("errors")
+                return self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            self._send(200, {"object": "chat.completion", "model": req.get("model", "oracle"),
+                             "choices": [{"index": 0, "finish_reason": "stop",
+                                          "message": {"role": "assistant", "content": text}}]})
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 5. The runs: 4 methods x seeds, every flag but the method's own shared; the backbone's own eval per seed
+# ------------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Budget:
+    """What every run shares (the tiny-model counterpart of Table 5)."""
+    updates: int = 10
+    tasks_per_update: int = 8
+    group_size: int = 4
+    max_steps: int = 10
+    lr: float = 1e-4
+    beta_kl: float = 0.001
+    eval_every: int = 2
+    eval_tasks: int = 60
+    max_prompt_len: int = 1024
+    max_response_len: int = 48
+    seeds: tuple = (0, 1, 2)
+
+
+def shared_flags(b: Budget, model: str, seed: int, out_dir: str) -> list[str]:
+    flags = dict(env="household", model=model, seed=seed, out_dir=out_dir, updates=b.updates,
+                 tasks_per_update=b.tasks_per_update, group_size=b.group_size, max_steps=b.max_steps, lr=b.lr,
+                 beta_kl=b.beta_kl, eval_every=b.eval_every, eval_tasks=b.eval_tasks, eval_split="both",
+                 max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len, micro_batch=16,
+                 save_every=1000, engine="hf")
+    return [x for k, v in flags.items() for x in (f"--{k}", str(v))] + ["--overwrite"]
+
+
+def method_flags(method: str, oracle_url: str, b: Budget) -> tuple[str, list[str]]:
+    """(script, the method's own flags); coefficients stay at the papers' values."""
+    return {
+        "grpo": ("seed.py", ["--skip_sft", "--lambda_opd", "0"]),
+        "seed": ("seed.py", ["--annotator_url", oracle_url, "--annotator_model", "oracle", "--sft_tasks", "16",
+                             "--sft_rollouts", "4", "--sft_lr", str(b.lr), "--sft_batch", "16",
+                             "--annotator_max_tokens", "128", "--require_endpoint"]),
+        "opid": ("opid.py", ["--analyzer_url", oracle_url, "--analyzer_model", "oracle", "--analyzer_max_tokens",
+                             "256", "--max_critical", "5", "--require_endpoint"]),
+        "grsd": ("grsd.py", ["--judge_url", oracle_url, "--judge_model", "oracle", "--reflection_max_tokens", "128",
+                             "--reflection_prompt_len", "2048", "--guidance_max_tokens", "256", "--require_endpoint"]),
+    }[method]
+
+
+METHODS = ("grpo", "seed", "opid", "grsd")
+
+
+def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, log=print) -> dict:
+    """Run each (name, argv) as `python argv…` with OMP_NUM_THREADS=threads, `parallel` at a time; a job whose run
+    directory holds done.json (written after a clean exit) is skipped. Returns {name: (exit code, seconds)}."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    pending, running, done = list(jobs), {}, {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, argv = pending.pop(0)
+            out_dir = argv[argv.index("--out_dir") + 1]
+            if os.path.isfile(os.path.join(out_dir, "done.json")):
+                log(f"[experiment] {name}: already done, skipped")
+                continue
+            os.makedirs(out_dir, exist_ok=True)
+            logf = open(os.path.join(os.path.dirname(out_dir), f"{name}.log"), "w")
+            running[name] = (subprocess.Popen([sys.executable] + argv, stdout=logf, stderr=subprocess.STDOUT,
+                                              env=env), time.time(), logf, out_dir, argv)
+            log(f"[experiment] {name}: started")
+        time.sleep(1)
+        for name, (proc, t0, logf, out_dir, argv) in list(running.items()):
+            if proc.poll() is not None:
+                logf.close()
+                done[name] = (proc.returncode, time.time() - t0)
+                if proc.returncode == 0:  # what a rerun skips
+                    with open(os.path.join(out_dir, "done.json"), "w") as f:
+                        json.dump({"seconds": done[name][1], "argv": argv}, f)
+                log(f"[experiment] {name}: exit {proc.returncode} after {done[name][1]:.0f} s")
+                del running[name]
+    return done
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 6. Report: curves (mean ± std over seeds) and the table
+# ------------------------------------------------------------------------------------------------------------------
+
+SPLIT_KEYS = (("valid_seen", "eval/success"), ("valid_unseen", "eval_unseen/success"))
+
+
+def read_rows(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def curves(root: str, b: Budget) -> dict:
+    """{method: {key: {seed: [(updates done, value)]}}}; update 0 of the eval keys is the backbone's own eval."""
+    out = {}
+    for m in METHODS:
+        for s in b.seeds:
+            run = os.path.join(root, f"{m}-s{s}")
+            if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
+                continue
+            rows = [r for r in read_rows(run) if "update" in r]
+            start = read_rows(os.path.join(root, f"backbone-s{s}"))[-1]
+            for _, key in SPLIT_KEYS:
+                out.setdefault(m, {}).setdefault(key, {})[s] = [(0, start[key])] + [
+                    (r["update"] + 1, r[key]) for r in rows if key in r]
+            for key in ("charts/success_rate", "charts/invalid_action_rate"):
+                out[m].setdefault(key, {})[s] = [(r["update"] + 1, r[key]) for r in rows if key in r]
+    return out
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    mu = sum(values) / len(values)
+    return mu, (sum((v - mu) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5  # sample std over seeds
+
+
+def plot(data: dict, out_png: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = [("eval/success", "valid_seen success"), ("eval_unseen/success", "valid_unseen success"),
+            ("charts/success_rate", "training success rate"), ("charts/invalid_action_rate", "training invalid-action rate")]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (key, title) in zip(axes.flat, keys):
+        for m, per in data.items():
+            runs = list(per.get(key, {}).values())
+            if not runs:
+                continue
+            xs = sorted(set.intersection(*[{x for x, _ in r} for r in runs]))
+            stats = [mean_std([dict(r)[x] for r in runs]) for x in xs]
+            mu = [s[0] for s in stats]
+            ax.plot(xs, mu, marker="o" if key.startswith("eval") else None, ms=3, label=f"{m} ({len(runs)} seeds)")
+            ax.fill_between(xs, [a - s for a, s in stats], [a + s for a, s in stats], alpha=0.15)
+        ax.set(title=title + " (mean ± std over seeds)", xlabel="updates done")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+
+
+def table(root: str, data: dict, b: Budget) -> str:
+    """Per method: start / final / best eval success on both splits (mean ± std over seeds), the final valid_seen
+    difference to GRPO paired by seed (same eval tasks), and mean seconds per update by phase and per run."""
+    fmt = lambda v: f"{v[0]:.3f} ± {v[1]:.3f}"  # noqa: E731
+    phases = ["rollout", "analysis", "reflect", "judge", "guidance", "score", "update", "eval"]
+    head = ["method", "seeds"] + [f"{sp} {w}" for sp, _ in SPLIT_KEYS for w in ("start", "final", "best")] + [
+        "final valid_seen − GRPO (paired)"] + [f"s/update {p}" for p in phases] + ["s/update total", "min/run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    grpo_final = {s: c[-1][1] for s, c in data.get("grpo", {}).get("eval/success", {}).items()}
+    for m, per in data.items():
+        seeds = sorted(per["eval/success"])
+        cells = [m, str(len(seeds))]
+        for _, key in SPLIT_KEYS:
+            runs = [per[key][s] for s in seeds]
+            cells += [fmt(mean_std([r[0][1] for r in runs])), fmt(mean_std([r[-1][1] for r in runs])),
+                      fmt(mean_std([max(v for _, v in r[1:]) if r[1:] else float("nan") for r in runs]))]
+        diffs = [per["eval/success"][s][-1][1] - grpo_final[s] for s in seeds if s in grpo_final]
+        cells.append("–" if m == "grpo" or not diffs else f"{mean_std(diffs)[0]:+.3f} ± {mean_std(diffs)[1]:.3f}")
+        rows = [r for s in seeds for r in read_rows(os.path.join(root, f"{m}-s{s}")) if "update" in r]
+        for p in phases + ["total"]:
+            vals = [r[f"time/{p}"] for r in rows if f"time/{p}" in r]
+            cells.append(f"{sum(vals) / len(rows):.1f}" if vals else "–")  # amortised: eval runs every k updates
+        secs = [json.load(open(os.path.join(root, f"{m}-s{s}", "done.json")))["seconds"] for s in seeds
+                if os.path.isfile(os.path.join(root, f"{m}-s{s}", "done.json"))]
+        cells.append(f"{sum(secs) / len(secs) / 60:.1f}" if secs else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(root: str, b: Budget, log=print) -> str:
+    data = curves(root, b)
+    plot(data, os.path.join(root, "curves.png"))
+    text = table(root, data, b)
+    with open(os.path.join(root, "table.md"), "w") as f:
+        f.write(text + "\n")
+    log(text)
+    log(f"[experiment] wrote {root}/curves.png and {root}/table.md")
+    return text
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------------------------
+
+SMOKE = dict(budget=Budget(updates=2, tasks_per_update=2, group_size=2, max_steps=4, eval_every=2, eval_tasks=4,
+                           seeds=(0,)), bc_steps=4, checks=(4,), bc_tasks=4)
+FULL = dict(budget=Budget(), bc_steps=900, checks=(200, 300, 400, 500, 650, 800, 900), bc_tasks=200)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cmd", nargs="?", default="all", choices=("all", "backbone", "oracle", "report"))
+    p.add_argument("--out", default=OUT, help=f"experiment folder [default: {OUT}]")
+    p.add_argument("--smoke", action="store_true", help="2 updates, 1 seed, a 4-step warm start (the test)")
+    p.add_argument("--parallel", type=int, default=2, help="runs at a time [default: 2]")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run [default: 1]")
+    p.add_argument("--port", type=int, default=8000, help="oracle port for `oracle` [default: 8000]")
+    a = p.parse_args(argv)
+    cfg = SMOKE if a.smoke else FULL
+    b, backbone = cfg["budget"], os.path.join(a.out, "backbone")
+    os.makedirs(a.out, exist_ok=True)
+    if a.cmd == "oracle":
+        server = serve_oracle(Oracle(b.seeds, b.max_steps), port=a.port)
+        print(f"oracle on http://127.0.0.1:{server.server_address[1]}/v1 (GET /stats); Ctrl-C stops it")
+        threading.Event().wait()
+    if a.cmd == "report":
+        return report(a.out, b)
+    if not os.path.isfile(os.path.join(backbone, "warm_start.json")):
+        import torch
+        torch.set_num_threads(a.threads * a.parallel)
+        os.makedirs(backbone, exist_ok=True)
+        warm_start(backbone, cfg["bc_steps"], cfg["checks"], b.max_steps, n_tasks=cfg["bc_tasks"])
+    if a.cmd == "backbone":
+        return
+    oracle = Oracle(b.seeds, b.max_steps)
+    server = serve_oracle(oracle)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    jobs = []
+    for s in b.seeds:  # the backbone's own score (update 0 of every curve)
+        flags = shared_flags(b, backbone, s, os.path.join(a.out, f"backbone-s{s}"))
+        jobs.append((f"backbone-s{s}", ["seed.py", "--eval_only"] + flags))
+    for s in b.seeds:
+        for m in METHODS:
+            script, extra = method_flags(m, url, b)
+            jobs.append((f"{m}-s{s}", [script] + shared_flags(b, backbone, s, os.path.join(a.out, f"{m}-s{s}")) + extra))
+    t0 = time.time()
+    done = launch_all(jobs, a.parallel, a.threads)
+    print(f"[experiment] {len(done)} jobs in {(time.time() - t0) / 60:.1f} min; oracle {dict(sorted(oracle.stats.items()))}")
+    with open(os.path.join(a.out, "oracle_stats.json"), "w") as f:
+        json.dump(oracle.stats, f)
+    server.shutdown()
+    failed = [n for n, (rc, _) in done.items() if rc != 0]
+    if failed:
+        raise SystemExit(f"[experiment] failed: {failed} (see {a.out}/<name>.log)")
+    report(a.out, b)
+
+
+if __name__ == "__main__":
+    main()

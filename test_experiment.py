@@ -1,0 +1,191 @@
+"""experiment.py's parts: the oracle endpoint over real HTTP, the warm-start data, and a 2-update smoke run."""
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+import common as C
+import envs
+import experiment as E
+import grsd
+import opid
+import seed
+
+SEEDS, MAX_STEPS = (0,), 10
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    o = E.Oracle(SEEDS, MAX_STEPS)
+    server = E.serve_oracle(o)
+    client = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "oracle", "oracle", timeout=10,
+                          retries=0)
+    yield o, client, server.server_address[1]
+    server.shutdown()
+
+
+def episodes(n_tasks: int, eps: float, rng_seed: int = 3):
+    """(env, task id, actions, trajectory, facts) of noisy-expert episodes on train tasks of layout seed 0."""
+    env, rng = envs.HouseholdEnv("train", seed=0, max_steps=MAX_STEPS), random.Random(rng_seed)
+    for task_id in env.task_ids()[:n_tasks]:
+        _, actions = E.play(env, task_id, eps, rng)
+        traj = E.as_trajectory(env, task_id, actions)
+        facts, _ = E.replay(env, task_id, actions)
+        yield env, task_id, actions, traj, facts
+
+
+def start_location(task_id: str, obj: str) -> str:
+    return envs.make_household_task(task_id, 0)["objects"][obj]["loc"]
+
+
+def test_oracle_skills_parse_with_the_methods_parsers_and_are_true(oracle):
+    o, client, _ = oracle
+    n = 0
+    for env, task_id, actions, traj, facts in episodes(24, 0.4):
+        skill = seed.parse_skill(client.complete([{"role": "user", "content": seed.trajectory_input(traj)}], 0, 256))
+        assert skill is not None and skill.startswith("Workflow:" if traj.won else "Avoid"), skill
+        reply = client.complete([{"role": "user", "content": opid.analyzer_prompt(traj, 5)}], 0, 512)
+        analysis, events = opid.parse_analysis(reply, len(traj.turns), 5)
+        errors = {"no_json", "no_episode_skill", "bad_step_skills", "bad_key", "out_of_range", "bad_skill", "duplicate",
+                  "truncated"}
+        assert analysis is not None and not errors & set(events), (reply, events)
+        assert analysis.episode == skill and set(analysis.steps) <= set(range(len(traj.turns)))
+        for t in analysis.steps:  # invalid steps are critical ones
+            if not traj.turns[t].valid:
+                assert "admissible action" in analysis.steps[t]
+        # Every "the <object> was at the <place>" is the object's true place when the trajectory saw it there.
+        for obj, rec in re.findall(r"the (\w+ \d+) was (?:seen )?at the (\w+ \d+)", skill):
+            assert start_location(task_id, obj) == rec and any(rec in (t.action or "") for t in traj.turns)
+        n += 1
+    assert n == 24 and o.stats["replayed/seed"] >= 24 and o.stats.get("fallback/seed", 0) == 0
+
+
+def test_oracle_never_names_a_place_the_trajectory_did_not_show(oracle):
+    """Privileged state checks statements, never leaks: without having seen the object, the skill names no place of
+    the target object, only the places the trajectory searched or left unexplored."""
+    _, client, _ = oracle
+    checked = 0
+    for env, task_id, actions, traj, facts in episodes(40, 1.0, rng_seed=5):  # random walks
+        if facts.targets_seen:
+            continue
+        skill = seed.parse_skill(client.complete([{"role": "user", "content": seed.trajectory_input(traj)}], 0, 256))
+        true_places = {o["loc"] for o in envs.make_household_task(task_id, 0)["objects"].values()
+                       if o["type"] == facts.otype}
+        named = set(re.findall(r"\b[a-z]+ \d+\b", skill))
+        assert named <= set(facts.searched) | set(facts.unexplored) | {facts.target_rec}
+        assert f"{facts.otype} " not in skill.replace(f"no {facts.otype} was", "")  # no object instance named
+        assert not true_places & set(facts.searched)  # "no <object> was at <searched>" is true
+        assert true_places & named <= set(facts.unexplored)  # a suggestion to search there, not a fact
+        checked += 1
+    assert checked >= 5
+
+
+def test_oracle_judge_scores_true_reflections_high_and_invented_ones_zero(oracle):
+    _, client, _ = oracle
+    for env, task_id, actions, traj, facts in episodes(12, 0.3):
+        good = E.reflection(facts)
+        assert grsd.parse_reflection(good) == good
+        ask = lambda r: grsd.parse_judge(client.complete(  # noqa: E731
+            [{"role": "user", "content": grsd.judge_prompt(traj, r, 400)}], 0, 16))
+        assert ask(good) >= 2, good
+        assert ask("1. Go to the safe 9.\n2. Take the ghost 7 there.\n3. Then stop.") == 0  # never shown
+        wrong_outcome = "1. It succeeded.\n2. The task was done.\n3. Repeat this order." if not traj.won else \
+            "1. I failed and ran out of steps.\n2. It was invalid.\n3. It was wrong."
+        assert ask(wrong_outcome) == 0
+
+
+@pytest.mark.parametrize("prompt", [
+    "", "hello", "Task: put a mug in shelf.\n" + seed.ANALYZER_INSTRUCTIONS,
+    "Task: put a candle in bed.\nTrajectory:\nInitial observation: You are in the middle of a room.\nStep 1\n  Action: "
+    "go to the moon\n  Observation: Nothing happens.\n  Reward: 0\n\n" + seed.ANALYZER_INSTRUCTIONS,
+    "Task: \u00e9\u6f22\ud83d\ude00\nTrajectory:\n" + "Step 1\n  Action: x\n" * 500 + seed.ANALYZER_INSTRUCTIONS,
+    opid.ANALYZER_INSTRUCTIONS.format(k=5),
+    "Grade an agent's reflection; Task: x\nReflection:\n1. a\n\nCriteria: none"])
+def test_oracle_answers_odd_trajectories_without_crashing(oracle, prompt):
+    o, client, _ = oracle
+    reply = client.complete([{"role": "user", "content": prompt}], 0, 64)
+    assert isinstance(reply, str) and o.stats.get("errors", 0) == 0
+    role = E.role_of(prompt)
+    if role == "seed":
+        assert seed.parse_skill(reply) is not None  # the generic fallback is still a well-formed skill
+    if role == "opid":
+        assert opid.parse_analysis(reply, 1, 5)[0] is not None
+
+
+def test_oracle_http_contract(oracle):
+    o, _, port = oracle
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    bad = urllib.request.Request(url, data=b"{not json", headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bad, timeout=5)
+    assert e.value.code == 400
+    parts = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=parts, method="POST"), timeout=5) as r:
+        assert json.loads(r.read())["choices"][0]["message"]["content"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/stats", timeout=5) as r:
+        stats = json.loads(r.read())
+    assert stats.get("requests/None", 0) >= 1
+
+
+def test_warm_start_data_labels_are_admissible_and_hints_true():
+    pairs = E.warm_start_data(n_tasks=6, max_steps=MAX_STEPS)
+    kinds = {k for k, _, _ in pairs}
+    assert kinds == {"act", "skill", "reflect", "guide"}
+    hinted = 0
+    for k, user, response in pairs:
+        if k == "act":
+            action, valid = envs.parse_action(response)
+            admissible = re.search(r"Admissible actions: \[(.*)\]", user).group(1)
+            assert valid and f"'{action}'" in admissible, (action, admissible)
+            hinted += any(h in user for h in ("Hindsight skill", "[Privileged guidance"))
+        elif k == "skill":
+            assert seed.parse_skill(response) and user.endswith(seed.ANALYZER_INSTRUCTIONS)
+        elif k == "reflect":
+            assert grsd.parse_reflection(response) == response
+        else:
+            assert response.startswith("### DO\n- ") and "### AVOID" in response
+    assert hinted > 0
+    # The hints: every place a hint gives for an object is where that object starts (seed_skill on clean episodes).
+    for data_seed in E.DATA_SEEDS:
+        env = envs.HouseholdEnv("train", seed=data_seed, max_steps=30)  # the expert wins every task within 30 steps
+        for task_id in env.task_ids()[:6]:
+            _, actions = E.play(env, task_id, 0.0, random.Random(0), invalid=0.0)
+            ok, _ = E.replay(env, task_id, actions)
+            assert ok.won
+            spec = envs.make_household_task(task_id, data_seed)
+            for text in (E.seed_skill(ok), E.guidance("", [ok], [])):
+                for rec, obj in re.findall(r"Go to the (\w+ \d+) and take the (\w+ \d+)", text):
+                    assert spec["objects"][obj]["loc"] == rec
+                for obj, rec in re.findall(r"the (\w+ \d+) was at the (\w+ \d+)", text):
+                    assert spec["objects"][obj]["loc"] == rec
+
+
+def test_experiment_smoke_run(tmp_path):
+    """The whole script at 2 updates and 1 seed: backbone, oracle, 4 methods + the backbone eval, curves and table."""
+    out = tmp_path / "exp"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "experiment.py", "--smoke", "--out", str(out), "--parallel", "2"],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
+    assert json.loads((out / "backbone" / "warm_start.json").read_text())["step"] == 4
+    for m in E.METHODS:
+        rows = E.read_rows(str(out / f"{m}-s0"))
+        last = [r for r in rows if "update" in r][-1]
+        assert last["update"] == 1 and "eval/success" in last and "eval_unseen/success" in last
+    start = E.read_rows(str(out / "backbone-s0"))[-1]
+    assert start["eval_only"] == 1 and "eval_unseen/success" in start
+    stats = json.loads((out / "oracle_stats.json").read_text())
+    assert stats["replayed/seed"] > 0 and stats["replayed/opid"] > 0 and not any(k.startswith("fallback") for k in stats)
+    table = (out / "table.md").read_text()
+    assert all(f"| {m} | 1 |" in table for m in E.METHODS)
+    assert (out / "curves.png").stat().st_size > 10_000
+    again = subprocess.run([sys.executable, "experiment.py", "--smoke", "--out", str(out)], capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert again.returncode == 0 and again.stdout.count("already done, skipped") == 5  # a rerun resumes
