@@ -291,18 +291,52 @@ def judge_score(f: Facts, reflection_text: str, shown: str) -> int:
 DATA_SEEDS = (1000, 1001, 1002)  # household layouts are a function of (seed, task id): the runs use seeds 0-2
 
 
-def play(env, task_id: str, eps: float, rng: random.Random, invalid: float = 0.05) -> tuple[list, list]:
-    """One episode of a noisy expert: the expert's action, a random admissible one with prob. eps, or an invalid
-    reply with prob. `invalid`. Returns (the states' agent prompts with the expert's label, the actions taken)."""
+def contents_shown(env) -> bool:
+    """The observation of the step just taken showed what is in/on the agent's receptacle."""
+    return bool(env.loc) and (kind(env.loc) not in OPENABLE or env.loc in env.opened)
+
+
+def search_action(env, searched: list) -> str:
+    """The expert without privileged knowledge of where things are (what the backbone clones when no hint is in
+    its prompt): take a needed object it can see, else open the closed receptacle it stands at, else go to the next
+    receptacle (in the room's listed order, which is also the order of the admissible "go to" actions) whose
+    contents it has not seen. Once it holds a needed object (or must put a wrong one down), the env's expert
+    finishes, except that the desklamp is searched for the same way until it has been seen."""
+    s, expert = env.spec, env.expert_action()
+    lamp_known = s["lamp_at"] in searched
+    if env.holding:
+        if s["family"] != "look_at_obj_in_light" or lamp_known or env.objects[env.holding]["type"] != s["otype"]:
+            return expert
+        todo = [r for r in s["receptacles"] if kind(r) in envs.LAMP_HOLDERS and r not in searched]
+    else:
+        if contents_shown(env) and expert.startswith("take ") and expert.endswith(f" from {env.loc}"):
+            return expert  # the needed object is right here
+        seen_at = [o["loc"] for o in env.objects.values() if o["type"] == s["otype"] and o["loc"] in searched
+                   and kind(o["loc"]) != s["rtype"]]
+        if seen_at and not (contents_shown(env) and env.loc in seen_at):
+            return f"go to {seen_at[0]}" if env.loc != seen_at[0] else expert  # one it saw earlier
+        if env.loc and kind(env.loc) in OPENABLE and env.loc not in env.opened:
+            return f"open {env.loc}"
+        todo = [r for r in s["receptacles"] if r not in searched and kind(r) != s["rtype"]]
+    after = [r for r in todo if r > (env.loc or "")] or todo  # keep walking the list forward, then wrap around
+    return f"go to {after[0]}" if after and after[0] != env.loc else expert
+
+
+def play(env, task_id: str, eps: float, rng: random.Random, invalid: float = 0.05, hinted: bool = False):
+    """One episode of a noisy teacher: the label is the privileged expert's action when `hinted` (a true hint is in
+    the prompt), else search_action; the action taken is the label, a random admissible action with prob. eps,
+    or an invalid reply with prob. `invalid`. Returns ([(prompt, label)] per state, the actions taken)."""
     env.reset(task_id)
-    labelled, actions = [], []
+    labelled, actions, searched = [], [], []
     while not env.done:
-        expert = env.expert_action()
-        labelled.append((env.prompt(), expert, env.loc, env.holding))
+        label = env.expert_action() if hinted else search_action(env, searched)
+        labelled.append((env.prompt(), label))
         u = rng.random()
-        action = None if u < invalid else rng.choice(env.admissible()) if u < invalid + eps else expert
+        action = None if u < invalid else rng.choice(env.admissible()) if u < invalid + eps else label
         env.step(envs.format_expert_response(action, "household") if action else "<think>hmm</think> go")
         actions.append(action)
+        if action and action.split()[0] in ("go", "open", "examine") and contents_shown(env):
+            searched = [r for r in searched if r != env.loc] + [env.loc]
     return labelled, actions
 
 
@@ -346,18 +380,18 @@ def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0) -> list[tuple[s
     for data_seed in DATA_SEEDS:
         env = envs.HouseholdEnv("train", seed=data_seed, max_steps=max_steps)
         for task_id in env.task_ids()[:n_tasks]:
-            clean, clean_actions = play(env, task_id, 0.0, rng, invalid=0.0)
+            clean, clean_actions = play(env, task_id, 0.0, rng, invalid=0.0, hinted=True)  # the privileged expert
             ok, _ = replay(env, task_id, clean_actions)
-            noisy = [play(env, task_id, eps, rng) for eps in (0.3, 0.6)]
+            noisy = [play(env, task_id, eps, rng) for eps in (0.0, 0.3, 0.6)]  # the searcher, then noisier
             facts = [replay(env, task_id, acts)[0] for _, acts in noisy]
             bad = next((f for f in facts if not f.won), None)
-            for prompt, expert, _, _ in clean + noisy[0][0]:  # acting, no hint (DAgger-style labels on noisy states)
-                pairs.append(("act", prompt, envs.format_expert_response(expert, "household")))
+            for prompt, label in noisy[0][0] + noisy[1][0]:  # acting without a hint (DAgger-style labels)
+                pairs.append(("act", prompt, envs.format_expert_response(label, "household")))
             style = rng.choice(HINT_STYLES)
-            for prompt, expert, _, _ in clean:  # acting with a hint the expert agrees with
-                pairs.append(("act", hinted_prompt(prompt, style, ok, bad, expert),
-                              envs.format_expert_response(expert, "household")))
-            for f, (_, acts) in zip([ok] + facts, [(None, clean_actions)] + noisy):
+            for prompt, label in clean:  # acting with a true hint: the privileged expert follows it
+                pairs.append(("act", hinted_prompt(prompt, style, ok, bad, label),
+                              envs.format_expert_response(label, "household")))
+            for f, (_, acts) in zip(facts, noisy):  # analysis texts of the searcher's episodes
                 traj = as_trajectory(env, task_id, acts)
                 if rng.random() < 0.5:
                     pairs.append(("skill", seed_mod.trajectory_input(traj), f"<skill>{seed_skill(f)}</skill>"))
@@ -450,8 +484,14 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
         sched.step()
         history.append({"step": step, "kind": k, "nll": loss.item()})
         if step % 25 == 0:
-            log(f"[backbone] step {step} nll {sum(h['nll'] for h in history[-25:]) / 25:.3f} ({time.time() - t0:.0f} s)")
+            recent = history[-25:]
+            per_kind = {k: sum(h["nll"] for h in recent if h["kind"] == k) / max(1, sum(h["kind"] == k for h in recent))
+                        for k in kinds}
+            log(f"[backbone] step {step} nll " + " ".join(f"{k} {v:.3f}" for k, v in per_kind.items())
+                + f" ({time.time() - t0:.0f} s)")
         if step in checks:
+            model.save_pretrained(os.path.join(out, f"step{step}"))
+            tok.save_pretrained(os.path.join(out, f"step{step}"))
             t_eval = time.time()
             success = eval_success(model, tok, "valid_seen", SELECT_SEED, max_steps)
             history[-1]["select_success"] = success
@@ -525,10 +565,10 @@ class Oracle:
     """Finds a parsed trajectory's task among the household train tasks of the given layout seeds and replays it.
     Counts: requests, replayed, fallbacks (a text from the task alone), by role."""
 
-    def __init__(self, seeds=(0, 1, 2), max_steps: int = 10, max_critical: int = 5):
+    def __init__(self, seeds=(0, 1, 2), max_critical: int = 5):
         self.max_critical, self.index, self.envs = max_critical, {}, {}
         for s in seeds:
-            env = envs.HouseholdEnv("train", seed=s, max_steps=max_steps)
+            env = envs.HouseholdEnv("train", seed=s, max_steps=10_000)  # the replay never stops an episode early
             self.envs[s] = env
             for tid in env.task_ids():
                 spec = envs.make_household_task(tid, s)
@@ -632,7 +672,7 @@ class Budget:
     updates: int = 10
     tasks_per_update: int = 8
     group_size: int = 4
-    max_steps: int = 10
+    max_steps: int = 15
     lr: float = 1e-4
     beta_kl: float = 0.001
     eval_every: int = 2
@@ -823,7 +863,7 @@ def main(argv=None):
     b, backbone = cfg["budget"], os.path.join(a.out, "backbone")
     os.makedirs(a.out, exist_ok=True)
     if a.cmd == "oracle":
-        server = serve_oracle(Oracle(b.seeds, b.max_steps), port=a.port)
+        server = serve_oracle(Oracle(b.seeds), port=a.port)
         print(f"oracle on http://127.0.0.1:{server.server_address[1]}/v1 (GET /stats); Ctrl-C stops it")
         threading.Event().wait()
     if a.cmd == "report":
@@ -835,7 +875,7 @@ def main(argv=None):
         warm_start(backbone, cfg["bc_steps"], cfg["checks"], b.max_steps, n_tasks=cfg["bc_tasks"])
     if a.cmd == "backbone":
         return
-    oracle = Oracle(b.seeds, b.max_steps)
+    oracle = Oracle(b.seeds)
     server = serve_oracle(oracle)
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     jobs = []

@@ -16,12 +16,12 @@ import grsd
 import opid
 import seed
 
-SEEDS, MAX_STEPS = (0,), 10
+SEEDS, MAX_STEPS = (0,), 15
 
 
 @pytest.fixture(scope="module")
 def oracle():
-    o = E.Oracle(SEEDS, MAX_STEPS)
+    o = E.Oracle(SEEDS)
     server = E.serve_oracle(o)
     client = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "oracle", "oracle", timeout=10,
                           retries=0)
@@ -154,7 +154,7 @@ def test_warm_start_data_labels_are_admissible_and_hints_true():
     for data_seed in E.DATA_SEEDS:
         env = envs.HouseholdEnv("train", seed=data_seed, max_steps=30)  # the expert wins every task within 30 steps
         for task_id in env.task_ids()[:6]:
-            _, actions = E.play(env, task_id, 0.0, random.Random(0), invalid=0.0)
+            _, actions = E.play(env, task_id, 0.0, random.Random(0), invalid=0.0, hinted=True)
             ok, _ = E.replay(env, task_id, actions)
             assert ok.won
             spec = envs.make_household_task(task_id, data_seed)
