@@ -167,8 +167,9 @@ Task outcome: success failure reward invalid action episode step the a an of in 
 """
 
 
-def build_tiny_tokenizer():
-    """Byte-level BPE with Qwen2's pre-tokenizer regex and NFC, ChatML template (DESIGN.md §6)."""
+def build_tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 1024):
+    """Byte-level BPE with Qwen2's pre-tokenizer regex and NFC, ChatML template (DESIGN.md §6), learned from the
+    agent-vocabulary corpus above, plus `texts` when given (experiment.py's backbone learns it from household text)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -179,9 +180,9 @@ def build_tiny_tokenizer():
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=specials, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator([_TINY_CORPUS] * 4, trainer)
+    tk.train_from_iterator([_TINY_CORPUS] * 4 if texts is None else list(texts) + [_TINY_CORPUS], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    padding_side="left", chat_template=CHATML_TEMPLATE)
 
