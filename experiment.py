@@ -458,9 +458,29 @@ def eval_success(model, tok, split: str, layout_seed: int, max_steps: int, n: in
     return sum(t.won for t in trajs) / len(trajs)
 
 
+def clone_loss(model, rows: list, prompt_weight: float):
+    """Mean token NLL of the responses + prompt_weight x mean token NLL of the prompts. The prompt term is language
+    modelling on the agent's own context (a pretrained LLM has that ability): its observations repeat in the history
+    and its actions come from the admissible list, which teaches the model to copy from its context."""
+    import torch
+    seqs = [p + r for p, r in rows]
+    width = max(map(len, seqs))
+    ids, real = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    is_resp, is_prompt = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+    for i, (p, r) in enumerate(rows):  # right-padded: position ids 0.. are right for every row
+        ids[i, :len(p) + len(r)], real[i, :len(p) + len(r)] = torch.tensor(p + r), 1
+        is_prompt[i, 1:len(p)] = 1  # the first token has nothing to be predicted from
+        is_resp[i, len(p):len(p) + len(r)] = 1
+    logits = model(input_ids=ids, attention_mask=real).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
+    resp, prompt = is_resp[:, 1:], is_prompt[:, 1:]
+    return (nll * resp).sum() / resp.sum() + prompt_weight * (nll * prompt).sum() / prompt.sum().clamp(min=1)
+
+
 def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int = 200, batch: int = 16,
-               lr: float = 1e-3, seed: int = 0, target: tuple = (0.2, 0.4), log=print) -> dict:
-    """Behaviour cloning (token NLL of the responses). At each step in `checks` the held-out success (valid_seen,
+               lr: float = 1e-3, seed: int = 0, target: tuple = (0.2, 0.4), prompt_weight: float = 0.5,
+               log=print) -> dict:
+    """Behaviour cloning (clone_loss: the responses, plus language modelling on the prompts). At each step in `checks` the held-out success (valid_seen,
     layout seed SELECT_SEED, 60 tasks, T 0.4) is measured and the weights saved to out/step<k>/; training stops at
     the first check inside `target` (that checkpoint is kept), else after `steps` (the best check is kept)."""
     import torch
@@ -482,8 +502,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
     for step in range(1, steps + 1):
         k = rng.choices(kinds, weights)[0]
         rows = rng.sample(encoded[k], batch if k == "act" else batch // 2)
-        logp, mask = C.sequence_logprobs(model, [p for p, _ in rows], [r for _, r in rows], torch.device("cpu"))
-        loss = -(logp * mask).sum() / mask.sum()
+        loss = clone_loss(model, rows, prompt_weight)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -511,7 +530,8 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
                 break
     for name in os.listdir(os.path.join(out, f"step{kept['step']}")):  # the kept check becomes the backbone
         shutil.copy(os.path.join(out, f"step{kept['step']}", name), out)
-    info = {**kept, "history": history, "seconds": time.time() - t0, "pairs": len(pairs), "lr": lr, "batch": batch}
+    info = {**kept, "history": history, "seconds": time.time() - t0, "pairs": len(pairs), "lr": lr, "batch": batch,
+            "prompt_weight": prompt_weight}
     with open(os.path.join(out, "warm_start.json"), "w") as f:
         json.dump(info, f)
     return info

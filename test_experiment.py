@@ -165,6 +165,24 @@ def test_warm_start_data_labels_are_admissible_and_hints_true():
                     assert spec["objects"][obj]["loc"] == rec
 
 
+def test_clone_loss_is_the_response_nll_plus_weighted_prompt_nll():
+    """Against common.sequence_logprobs (left-padded, the trainer's scorer) and a per-row recomputation."""
+    import torch
+    tok, model = C.load_tokenizer("tiny"), C.load_model("tiny", 0)
+    rows = [(C.chat_ids(tok, "put a mug in shelf."), tok("<think>go</think><action>look</action>")["input_ids"]),
+            (C.chat_ids(tok, "a longer prompt: go to cabinet 1, open it"), tok("x")["input_ids"])]
+    with torch.no_grad():
+        logp, mask = C.sequence_logprobs(model, [p for p, _ in rows], [r for _, r in rows], torch.device("cpu"))
+        resp_nll = -(logp * mask).sum() / mask.sum()
+        prompt_nll = []
+        for p, _ in rows:  # token t of the prompt predicted from tokens < t, row by row (no padding at all)
+            lp = torch.log_softmax(model(input_ids=torch.tensor([p])).logits[0, :-1].float(), -1)
+            prompt_nll.append(-lp[torch.arange(len(p) - 1), torch.tensor(p[1:])])
+        prompt_nll = torch.cat(prompt_nll).mean()
+        assert abs(E.clone_loss(model, rows, 0.0) - resp_nll) < 1e-5
+        assert abs(E.clone_loss(model, rows, 0.5) - (resp_nll + 0.5 * prompt_nll)) < 1e-5
+
+
 def test_experiment_smoke_run(tmp_path):
     """The whole script at 2 updates and 1 seed: backbone, oracle, 4 methods + the backbone eval, curves and table."""
     out = tmp_path / "exp"
