@@ -922,8 +922,13 @@ def main(argv=None):
     t0 = time.time()
     done = launch_all(jobs, a.parallel, a.threads)
     print(f"[experiment] {len(done)} jobs in {(time.time() - t0) / 60:.1f} min; oracle {dict(sorted(oracle.stats.items()))}")
-    with open(os.path.join(a.out, "oracle_stats.json"), "w") as f:
-        json.dump(oracle.stats, f)
+    stats_file, stats = os.path.join(a.out, "oracle_stats.json"), dict(oracle.stats)
+    if os.path.isfile(stats_file):  # a rerun adds to the counts of the runs it skipped
+        with open(stats_file) as f:
+            for k, v in json.load(f).items():
+                stats[k] = stats.get(k, 0) + v
+    with open(stats_file, "w") as f:
+        json.dump(stats, f)
     server.shutdown()
     failed = [n for n, (rc, _) in done.items() if rc != 0]
     if failed:
