@@ -558,6 +558,12 @@ def retrieve_http(url: str, queries: list[str], topk: int = 3, return_scores: bo
     raise RuntimeError(f"retrieval from {url} failed after {retries + 1} tries: {error}")
 
 
+class HTTPServer(ThreadingHTTPServer):
+    """A thread per request, and a listen backlog for a whole batch: with the default 5, 40 clients connecting at
+    once get SYNs dropped and retried by the kernel 1 s later (a test bounded at one timeout failed that way)."""
+    request_queue_size, daemon_threads = 128, True
+
+
 def serve_retriever(retriever, host: str = "127.0.0.1", port: int = 0):
     """Serve retriever.search at POST /retrieve in a daemon thread; returns (server, endpoint url)."""
 
@@ -584,8 +590,7 @@ def serve_retriever(retriever, host: str = "127.0.0.1", port: int = 0):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = HTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://{host}:{server.server_address[1]}/retrieve"
 

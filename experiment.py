@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import envs
 from envs import APPLIANCE, OPENABLE, TREATMENT, kind
@@ -555,8 +555,7 @@ FORMATS = {  # role -> (first-observation regex, per-step (action, observation) 
 
 
 def role_of(prompt: str) -> str | None:
-    import grsd
-    import opid
+    """Which role a prompt asks for, from the instructions seed.py / opid.py / grsd.py write (None: not ours)."""
     import seed
     if seed.ANALYZER_INSTRUCTIONS in prompt:
         return "seed"
@@ -647,7 +646,7 @@ class Oracle:
         return str(judge_score(f, parsed.reflection, shown))
 
 
-def serve_oracle(oracle: Oracle, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+def serve_oracle(oracle: Oracle, host: str = "127.0.0.1", port: int = 0) -> envs.HTTPServer:
     """OpenAI-compatible POST /v1/chat/completions (the last user message is the prompt); GET /stats. Runs in a
     daemon thread; returns the server (server.server_address[1] is the port)."""
 
@@ -685,8 +684,7 @@ def serve_oracle(oracle: Oracle, host: str = "127.0.0.1", port: int = 0) -> Thre
         def log_message(self, *a):
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = envs.HTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -229,8 +229,7 @@ class Oops(BaseHTTPRequestHandler):
 
 
 def serve(handler):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
+    server = envs.HTTPServer(("127.0.0.1", 0), handler)  # a backlog for 40 simultaneous connections
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
