@@ -183,6 +183,26 @@ def test_clone_loss_is_the_response_nll_plus_weighted_prompt_nll():
         assert abs(E.clone_loss(model, rows, 0.5) - (resp_nll + 0.5 * prompt_nll)) < 1e-5
 
 
+def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
+    """A warm start killed after its first check and run again ends with the weights of an uninterrupted one; the
+    learning-rate factor is 20 warm-up steps, flat, then a cosine to 0.1."""
+    import torch
+    from safetensors.torch import load_file
+    assert [E.bc_lr(i, 100, 50) for i in (0, 19, 49)] == [0.05, 1.0, 1.0]
+    assert E.bc_lr(75, 100, 50) == pytest.approx(0.55) and E.bc_lr(100, 100, 50) == pytest.approx(0.1)
+    quiet = lambda *a: None  # noqa: E731
+    torch.set_num_threads(1)
+    whole = E.warm_start(str(tmp_path / "a"), 4, (2, 4), 2, n_tasks=2, batch=4, decay_from=2, log=quiet)
+    (tmp_path / "b").mkdir()
+    os.system(f"cp -r {tmp_path / 'a' / 'step2'} {tmp_path / 'b'}")  # the state a kill after check 2 leaves
+    resumed = E.warm_start(str(tmp_path / "b"), 4, (2, 4), 2, n_tasks=2, batch=4, decay_from=2, log=quiet)
+    assert resumed["resumed_at"] == 2 and whole["resumed_at"] is None
+    assert [h["nll"] for h in resumed["history"]] == [h["nll"] for h in whole["history"]]
+    a, b = (load_file(str(tmp_path / d / "step4" / "model.safetensors")) for d in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert whole["step"] == 4  # no check reached the target: the best one, the later on a tie
+
+
 def test_experiment_smoke_run(tmp_path):
     """The whole script at 2 updates and 1 seed: backbone, oracle, 4 methods + the backbone eval, curves and table."""
     out = tmp_path / "exp"
