@@ -12,8 +12,10 @@ against it at the same rollout budget, 3 seeds each. README "Learning evidence" 
    (layout seeds the runs never use): acting in the <think>/<action> format, where an unhinted prompt is labelled
    by a searching expert that knows only what it has seen (search_action) and a prompt with a true hint in one of
    the three methods' skill / guidance formats by the env's privileged expert, which follows the hint; plus SEED
-   skills, GRSD reflections and GRSD guidance written from the searcher's trajectories. The warm start stops at
-   the first check with 20-40 % held-out success (else it keeps its best check).
+   skills, GRSD reflections and GRSD guidance written from the searcher's trajectories. Each acting response
+   restates the task word for word before reasoning (reasoned_response). AdamW, lr 1e-3 flat for 1,500 steps then
+   a cosine to 1e-4 at 3,000 (bc_lr); the warm start stops at the first check with 20-40 % held-out success (else
+   it keeps its best check) and resumes from its last check when run again.
 2. External models: an ORACLE STAND-IN for the papers' GLM-5.2 / DeepSeek annotator, analyzer and judge. It is an
    OpenAI-compatible HTTP endpoint that parses the trajectory it is sent, finds the task and replays the actions
    in the privileged household env, and writes from the replay: SEED hindsight skills, OPID's JSON (episode skill
@@ -506,7 +508,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
     start = max(done, default=0)
     if start:  # resume: the tokenizer and weights of the last check
         tok = AutoTokenizer.from_pretrained(os.path.join(out, f"step{start}"))
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"step{start}"))
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"step{start}")).train()
     else:
         tok = C.build_tiny_tokenizer([u for _, u, _ in pairs[::7]] + [r for _, _, r in pairs[::3]], vocab_size=2048)
         model = build_backbone(len(tok), seed)
@@ -558,14 +560,15 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
             history[-1]["select_success"] = success
             log(f"[backbone] step {step}: valid_seen success (layout seed {SELECT_SEED}) {success:.3f} "
                 f"({time.time() - t_eval:.0f} s)")
-            if kept is None or success >= kept["select_success"] or target[0] <= success <= target[1]:  # ties: later
+            in_target = target[0] <= success <= target[1]
+            if kept is None or success >= kept["select_success"] or in_target:  # on a tie, the later check
                 kept = {"step": step, "select_success": success}
             path = os.path.join(out, f"step{step}")
             model.save_pretrained(path)
             tok.save_pretrained(path)
             torch.save({"optimizer": opt.state_dict(), "rng": rng.getstate(), "history": history, "kept": kept},
                        os.path.join(path, "train_state.pt"))
-            if target[0] <= success <= target[1]:
+            if in_target:
                 break
     for name in os.listdir(os.path.join(out, f"step{kept['step']}")):  # the kept check becomes the backbone
         if name != "train_state.pt":
