@@ -201,6 +201,14 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
     a, b = (load_file(str(tmp_path / d / "step4" / "model.safetensors")) for d in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert whole["step"] == 4  # no check reached the target: the best one, the later on a tie
+    (tmp_path / "c").mkdir()  # a check saved without training state: fresh AdamW moments, steps 3-4 only
+    os.system(f"cp -r {tmp_path / 'a' / 'step2'} {tmp_path / 'c'} && rm {tmp_path / 'c' / 'step2' / 'train_state.pt'}")
+    said = []
+    fresh = E.warm_start(str(tmp_path / "c"), 4, (2, 4), 2, n_tasks=2, batch=4, decay_from=2, log=said.append)
+    assert fresh["resumed_at"] == 2 and [h["step"] for h in fresh["history"]] == [3, 4]
+    assert any("fresh AdamW moments" in line for line in said) and (tmp_path / "c" / "config.json").is_file()
+    c = load_file(str(tmp_path / "c" / "step4" / "model.safetensors"))
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # other moments, another batch order: other weights
 
 
 def test_experiment_smoke_run(tmp_path):
