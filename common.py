@@ -877,6 +877,8 @@ def check_run_args(args):
     import importlib.util
     if args.track != "none" and importlib.util.find_spec(args.track) is None:
         raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
+    if args.env == "search" and args.env_rules != "strict":
+        raise SystemExit("--env_rules verl_agent is ALFWorld's reward (household, alfworld); search keeps its own")
     if args.engine is None:  # vLLM on GPU when it is installed, else the HF copy
         args.engine = "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
     if args.engine == "vllm" and not vllm_available():
@@ -1171,7 +1173,7 @@ def task_envs(args):
     """From a method's Args: the train task ids, the train env factory, and one (metrics prefix, env factory, ids)
     per held-out split of --eval_split: a seeded sample of `eval_tasks` ids of that split."""
     import envs
-    kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps)
+    kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps, rules=args.env_rules)
     if args.env == "search":
         kw.update(retriever_url=args.retriever_url, timeout=args.retriever_timeout, retries=args.retriever_retries)
     make_train = lambda: envs.make_env(args.env, split="train", **kw)  # noqa: E731

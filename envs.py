@@ -16,6 +16,10 @@ Response format: exactly one `<think>...</think>` block, followed by exactly one
 Anything else, or an action that is not admissible (case/whitespace-insensitive), is an invalid step:
 the state does not change, the observation is the benchmark's reply to a bad command ("Nothing
 happens." in ALFWorld) and the reward is -invalid_penalty. No input string makes anything raise.
+rules="verl_agent" (household, alfworld) takes verl-agent's ALFWorld reward instead: a won step pays
+VERL_WIN_REWARD (10) and only a malformed reply (no well-formed tags: parsed action None) is penalised; a
+well-formed inadmissible command gets "Nothing happens." and no penalty (here it is answered by the env, not
+sent to the game). info["valid"] still says whether the action was admissible.
 
 Environments
 ------------
@@ -113,6 +117,10 @@ def format_expert_response(action: str, env_name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- base environment
+RULES = ("strict", "verl_agent")  # reward rules (module docstring)
+VERL_WIN_REWARD = 10.0
+
+
 class Env:
     """Shared episode bookkeeping and prompt layout; subclasses implement _start, _act, admissible."""
     name = "base"
@@ -120,7 +128,10 @@ class Env:
     tags, info_defaults = ("action",), {}
     intro, turn, invalid_observation = HOUSEHOLD_INTRO, HOUSEHOLD_TURN, "Nothing happens."
 
-    def __init__(self, max_steps: int | None = None, history_len: int | None = None):
+    def __init__(self, max_steps: int | None = None, history_len: int | None = None, rules: str = "strict"):
+        if rules not in RULES:
+            raise ValueError(f"unknown rules '{rules}', expected one of {RULES}")
+        self.rules = rules
         self.max_steps = max_steps or self.max_steps
         self.history_len = history_len if history_len is not None else self.history_len
         self.task, self.family, self.observation, self.task_id = "", "", "", None
@@ -165,8 +176,10 @@ class Env:
         action, valid = parse_action(response, self.tags, self.admissible())
         if valid:
             obs, reward, won, finished, extra = self._act(action)
-        else:  # the state is untouched
-            obs, reward, won, finished, extra = self.invalid_observation, -self.invalid_penalty, False, False, {}
+            reward *= VERL_WIN_REWARD if self.rules == "verl_agent" else 1.0
+        else:  # the state is untouched; verl_agent penalises only a malformed reply
+            penalty = 0.0 if self.rules == "verl_agent" and action is not None else self.invalid_penalty
+            obs, reward, won, finished, extra = self.invalid_observation, -penalty if penalty else 0.0, False, False, {}
         self.history.append((self.observation, (action or "(no well-formed action)")[:300]))
         self.steps, self.observation, self.won = self.steps + 1, obs, won
         self.done = won or finished or self.steps >= self.max_steps
@@ -669,6 +682,8 @@ def make_env(name: str, split: str = "train", seed: int = 0, data_dir: str | Non
         raise ValueError(f"unknown env '{name}', expected one of {ENV_NAMES}")
     if split not in SPLITS:
         raise ValueError(f"unknown split '{split}', expected one of {SPLITS}")
+    if name == "search" and kw.get("rules", "strict") != "strict":
+        raise ValueError("rules='verl_agent' is ALFWorld's reward (household, alfworld); search keeps its own")
     return classes[name](split=split, seed=seed, data_dir=data_dir, **kw)
 
 

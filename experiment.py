@@ -743,8 +743,8 @@ class Budget:
     tasks_per_update: int = 4
     group_size: int = 4
     max_steps: int = 15
-    lr: float = 1e-4          # 5e-4 destabilised GRPO (training invalid 42 -> 59 %, KL 0.37 by update 6); 1e-6 (Table 5)
-                              # would not move a 3.5 M model
+    lr: float = 1e-4          # 1e-6 (Table 5) would not move a 3.5 M model
+    env_rules: str = "verl_agent"  # verl-agent's ALFWorld reward: 10 per win, -0.1 only for a malformed reply
     beta_kl: float = 0.001
     minibatch_turns: int = 64  # ~4 optimizer steps per update (the paper's 256 would give 1 here)
     eval_every: int = 3
@@ -757,7 +757,7 @@ class Budget:
 
 
 def shared_flags(b: Budget, model: str, seed: int, out_dir: str) -> list[str]:
-    flags = dict(env="household", model=model, seed=seed, out_dir=out_dir, updates=b.updates,
+    flags = dict(env="household", env_rules=b.env_rules, model=model, seed=seed, out_dir=out_dir, updates=b.updates,
                  tasks_per_update=b.tasks_per_update, group_size=b.group_size, max_steps=b.max_steps, lr=b.lr,
                  beta_kl=b.beta_kl, eval_every=b.eval_every, eval_tasks=b.eval_tasks, eval_split="both",
                  max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len, micro_batch=16,

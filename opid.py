@@ -72,6 +72,8 @@ MODES = ("critical_first", "episode_only", "step_only", "additive")
 class Args:
     """OPID (B.4 / official scripts; fields left at None take the per-env paper value, or the tiny preset)."""
     env: str = arg("household", "household (embedded), alfworld or search", envs.ENV_NAMES)
+    env_rules: str = arg("strict", "household/alfworld rewards: strict (every inadmissible or malformed step −0.1, "
+                                   "success 1) or verl_agent (only malformed replies −0.1, success 10)", envs.RULES)
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")

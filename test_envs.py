@@ -149,6 +149,35 @@ def test_household_malformed_response_is_a_penalised_no_op(label):
     assert set(info) >= {"won", "valid", "action", "family", "admissible"}
 
 
+@pytest.mark.parametrize("name", ["household", pytest.param("alfworld", marks=[needs_alfworld_package,
+                                                                               needs_alfworld_games])])
+def test_verl_agent_rules_pay_ten_per_win_and_penalise_only_malformed_replies(name):
+    """rules="verl_agent" (verl-agent's ALFWorld reward): a well-formed inadmissible command is a no-op with reward 0,
+    a reply without well-formed tags costs 0.1, the winning step pays 10; the same episode under "strict" pays
+    −0.1 for the inadmissible command and 1 for the win. info["valid"] reports admissibility under both."""
+    kw = dict(data_dir=str(ALFWORLD_DATA)) if name == "alfworld" else {}
+    returns = {}
+    for rules in ("strict", "verl_agent"):
+        env = make_env(name, "valid_seen" if name == "alfworld" else "train", rules=rules, **kw)
+        env.reset([t for t in env.task_ids() if "pick_two" not in t][0])  # the handcoded expert wins these
+        rewards = []
+        _, r, _, info = env.step("<think>x</think><action>fly to the moon</action>")
+        rewards.append(r)
+        assert info["valid"] is False and info["action"] == "fly to the moon"
+        _, r, _, info = env.step("no tags at all")
+        rewards.append(r)
+        assert info["valid"] is False and info["action"] is None
+        while not env.done:
+            rewards.append(env.step(format_expert_response(env.expert_action(), name))[1])
+        assert env.won
+        returns[rules] = rewards
+    assert returns["strict"][:2] == [pytest.approx(-0.1)] * 2 and returns["strict"][-1] == 1.0
+    assert returns["verl_agent"][:2] == [0.0, pytest.approx(-0.1)] and returns["verl_agent"][-1] == 10.0
+    assert returns["strict"][2:-1] == returns["verl_agent"][2:-1] == [0.0] * (len(returns["strict"]) - 3)
+    with pytest.raises(ValueError, match="rules"):
+        make_env("household", rules="lenient")
+
+
 def test_parse_action_normalises_case_and_spaces_and_never_raises():
     adm = ["go to cabinet 1", "look"]
     assert parse_action("<think>x</think>\n<ACTION>  Go   TO Cabinet 1 </ACTION>", admissible=adm) == ("go to cabinet 1", True)

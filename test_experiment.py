@@ -216,7 +216,7 @@ def test_experiment_smoke_run(tmp_path):
     out = tmp_path / "exp"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "experiment.py", "--smoke", "--out", str(out), "--parallel", "2"],
+    r = subprocess.run([sys.executable, "experiment.py", "--smoke", "--out", str(out), "--parallel", "2", "--threads", "1"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()

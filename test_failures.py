@@ -391,7 +391,8 @@ BAD_FLAGS = [(["--save_every", "0"], "--save_every must be ≥ 1"), (["--micro_b
              (["--engine", "hf", "--rollout_is", "token"], "only --engine vllm returns"),
              (["--rollout_is_cap", "0.5"], "--rollout_is_cap must be ≥ 1"),
              (["--gpu_memory_utilization", "1.5"], "--gpu_memory_utilization is a fraction ≤ 1"),
-             (["--cpu_kv_cache_gb", "0"], "--cpu_kv_cache_gb must be ≥")]
+             (["--cpu_kv_cache_gb", "0"], "--cpu_kv_cache_gb must be ≥"),
+             (["--env", "search", "--env_rules", "verl_agent"], "--env_rules verl_agent is ALFWorld's reward")]
 
 
 @pytest.mark.parametrize("method", ["seed", "opid", "grsd"])
