@@ -38,7 +38,11 @@ Deviations / choices:
   * The warm-start responses spell out the facts their action rests on (reasoned_response); the method runs use
     the env and the methods exactly as they are.
   * The run budget (Budget) is far below Table 5 (6 updates of 4 tasks x 4 rollouts); the learning rate (1e-4)
-    and KL (1e-3) are chosen for a 3.5 M-parameter model; each method keeps its paper coefficients.
+    and KL (1e-3) are chosen for a 3.5 M-parameter model; each method keeps its paper coefficients. The lr comes
+    from three GRPO seed-0 probes (README): 5e-4 collapsed under both reward rules, 1e-4 did not.
+  * The runs use --env_rules verl_agent, the reward the papers trained with (verl-agent's ALFWorld: 10 per win,
+    -0.1 only for a malformed reply). Under the strict rules (-0.1 for every inadmissible step, 1 per win) GRPO's
+    groups are never tied, it mostly learns about inadmissible actions, and it lost the backbone's successes.
 """
 from __future__ import annotations
 
@@ -877,9 +881,11 @@ def plot(data: dict, out_png: str):
 
 def table(root: str, data: dict, b: Budget) -> str:
     """Per method: start / final / best eval success on both splits (mean ± std over seeds), the final valid_seen
-    difference to GRPO paired by seed (same eval tasks), and mean seconds per update by phase and per run."""
+    difference to GRPO paired by seed (same eval tasks), and mean seconds per update by phase and per run
+    (time/teacher is a part of time/update in SEED, whose current θ scores the teacher in every micro-batch, and a
+    phase of its own in OPID and GRSD)."""
     fmt = lambda v: f"{v[0]:.3f} ± {v[1]:.3f}"  # noqa: E731
-    phases = ["rollout", "analysis", "reflect", "judge", "guidance", "score", "update", "eval"]
+    phases = ["rollout", "analysis", "reflection", "judge", "guidance", "scoring", "teacher", "update", "eval"]
     head = ["method", "seeds"] + [f"{sp} {w}" for sp, _ in SPLIT_KEYS for w in ("start", "final", "best")] + [
         "final valid_seen − GRPO (paired)"] + [f"s/update {p}" for p in phases] + ["s/update total", "min/run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
