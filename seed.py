@@ -18,6 +18,7 @@ Run:
   python seed.py --annotator_url http://host:8000/v1 --annotator_model glm-5.2   # external stage-1 analyzer
   python seed.py --resume                                  # continue runs/seed from its newest checkpoint
   python seed.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
+  python seed.py --skip_sft --teacher_params old --skill_source library --skill_library skills/alfworld.jsonl  # SDAR
 Ablations (Table 2): --skip_sft (w/o hindsight-skill SFT), --lambda_opd 0 (w/o OPD: plain GRPO),
   --skill_source static (w/o on-policy skills: a fixed library of stage-1 skills).
 
