@@ -517,8 +517,9 @@ class CollectStats:
 
 
 def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt: int, max_response: int,
-            temperature: float, top_p: float) -> tuple[list[Trajectory], CollectStats]:
-    """Play n rollouts of each task, all environments stepping in lock-step so each turn is one batched generate."""
+            temperature: float, top_p: float, context=None) -> tuple[list[Trajectory], CollectStats]:
+    """Play n rollouts of each task, all environments stepping in lock-step so each turn is one batched generate.
+    The policy sees env.prompt(), or context(env) when given (Skill-GRPO / Skill-Prompt*: a skill in its context)."""
     envs, trajs = [], []
     for g, task_id in enumerate(task_ids):
         for _ in range(n):
@@ -529,7 +530,7 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
     stats, active = CollectStats(retriever=getattr(envs[0], "retriever", "") if envs else ""), \
         list(range(len(envs)))
     while active:
-        texts = [envs[i].prompt() for i in active]
+        texts = [context(envs[i]) if context else envs[i].prompt() for i in active]
         encoded = [encode_prompt(engine.tok, t, max_prompt) for t in texts]
         stats.truncated_prompts += sum(used != t for t, (_, used) in zip(texts, encoded))
         responses, logps = engine.sample([ids for ids, _ in encoded], max_response, temperature, top_p)
@@ -569,14 +570,14 @@ def rollout_metrics(trajs: list[Trajectory], d: Dist, prefix: str = "charts/") -
 
 
 def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_response, temperature, seed,
-             prefix: str = "eval/") -> dict:
+             prefix: str = "eval/", context=None) -> dict:
     """Held-out success: per task family, over all instances (`eval/success`, GRSD's average) and with families
     weighted equally (`eval/success_family_avg`, SEED Eq. 16). Sampling draws from its own stream seeded by `seed`,
     so a checkpoint scores the same during training and with --eval_only, and eval never shifts the training RNG."""
     mine = task_ids[d.rank::d.world]
     with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):
         torch.manual_seed(seed + d.rank)
-        trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0) if mine \
+        trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0, context) if mine \
             else ([], 0)
     per_family: dict[str, list[int]] = {}
     for part in all_gather_objects([(tr.family, tr.won) for tr in trajs]):
@@ -1048,14 +1049,14 @@ class Run:
                   f"args: {os.path.join(self.out, 'args.json')}")
 
 
-def eval_only(args, method: str, d: Dist, tok, evals):
+def eval_only(args, method: str, d: Dist, tok, evals, context=None):
     """--eval_only: score args.model (hub id, path or a run's checkpoint) on args.eval_split with `evaluate`, as
     training does, and write one row (the papers' Vanilla row). No policy update, no FSDP copy. Returns the engine
     (for shutdown)."""
     run, timer = Run(args, method, d, total=1), Timer()
     engine = make_engine(args, args.model, tok, d)
     with timer("eval"):
-        row = evaluate_all(engine, evals, args, d)
+        row = evaluate_all(engine, evals, args, d, context)
     run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
     run.close()
     return engine
@@ -1187,22 +1188,22 @@ def task_envs(args):
     return make_train().task_ids(), make_train, evals
 
 
-def evaluate_all(engine, evals, args, d: Dist) -> dict:
-    """`evaluate` on every held-out split of task_envs, each under its own metrics prefix."""
+def evaluate_all(engine, evals, args, d: Dist, context=None) -> dict:
+    """`evaluate` on every held-out split of task_envs, each under its own metrics prefix (context: see collect)."""
     row = {}
     for prefix, make_valid, ids in evals:
         row.update(evaluate(engine, make_valid, ids, d, args.max_prompt_len, args.max_response_len,
-                            args.eval_temperature, args.seed, prefix))
+                            args.eval_temperature, args.seed, prefix, context))
     return row
 
 
-def validate(update: int, args, engine, policy, evals, d: Dist, timer) -> dict:
+def validate(update: int, args, engine, policy, evals, d: Dist, timer, context=None) -> dict:
     """Held-out success every `eval_every` updates and after the last, with θ pushed to the engine first."""
     if not args.eval_every or ((update + 1) % args.eval_every and update + 1 != args.updates):
         return {}
     engine.sync(policy)
     with timer("eval"):
-        return evaluate_all(engine, evals, args, d)
+        return evaluate_all(engine, evals, args, d, context)
 
 
 def sample_tasks(task_ids: list[str], k: int, update: int, seed: int) -> list[str]:

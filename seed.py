@@ -18,8 +18,33 @@ Run:
   python seed.py --annotator_url http://host:8000/v1 --annotator_model glm-5.2   # external stage-1 analyzer
   python seed.py --resume                                  # continue runs/seed from its newest checkpoint
   python seed.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
+  python seed.py --skip_sft --teacher_params old --skill_source library --skill_library skills/alfworld.jsonl  # SDAR
 Ablations (Table 2): --skip_sft (w/o hindsight-skill SFT), --lambda_opd 0 (w/o OPD: plain GRPO),
   --skill_source static (w/o on-policy skills: a fixed library of stage-1 skills).
+
+Baselines of Table 1 (SEED App. B.2, OPID App. B.2, GRSD §4.1; where they are short, the official SDAR code,
+ZJU-REAL/SDAR, a verl-agent fork that implements OPSD, GRPO+OPSD, Skill-SD, RLSD and SDAR). The README's recipe
+table gives each row's full command; ℓ_T is the log-prob of the sampled token with a retrieved library skill in
+the context (--skill_source library), ℓ_old that of θ_old, sg a stop-gradient:
+  Vanilla      the backbone, no training (--eval_only).
+  Skill-Prompt* Vanilla with the retrieved skill in the agent's context at evaluation (--eval_only --eval_with_skills).
+  GRPO         L_rl only (--skip_sft --lambda_opd 0).
+  Skill-GRPO   GRPO with the retrieved skill in the policy's own context in rollouts and updates, evaluated
+               without it (--train_with_skills); Skill-GRPO* evaluates that run's weights with it (--eval_with_skills).
+  OPSD         no RL term: λ · token-mean[σ(β sg Δ)(sg ℓ_T − ℓ_θ)] + β_KL KL, λ 0.01, β 5 (--pg_coef 0). The SDAR
+               code's variant (examples/opsd_trainer: "SDAR without GRPO loss"), not Zhao et al.'s full-vocabulary
+               JSD, whose numbers the tables do not report.
+  GRPO+OPSD    L_rl + λ · token-mean[0.5 (sg ℓ_T − ℓ_θ)]: the SDAR code runs SDAR with gate β = 0 (--beta_opd 0);
+               its gradient is that of L_rl − 0.5 λ mean ℓ_θ, whatever the teacher says.
+  Skill-SD     L_rl + 0.001 · token-mean[ρ · k3], e = ℓ_θ − sg ℓ_T, k3 = exp(−e) − 1 + e (−e ≤ 20 in the exp),
+               ρ = exp(min(ℓ_θ − ℓ_old, 10)) with gradient through ρ and k3 (SDAR code compute_sdl_loss; --distill sdl).
+  RLSD         no distillation loss: Â_t = A((1 − λ_t) + λ_t w_t), w_t = clip(exp(sign(A)(ℓ_T − ℓ_old)), 1 ± 0.2),
+               λ_t = 0.5 (1 − t/100) for update t = 1, 2, … then 0 (SDAR code compute_rlsd_token_advantage,
+               examples/rlsd_trainer; --rlsd_lambda 0.5).
+  SDAR         L_rl + λ · token-mean[σ(β sg Δ)(sg ℓ_T − ℓ_θ)], λ 0.01, β 5: Eq. (1) with a static skill library, no
+               stage 1, the teacher scored once per update with θ_old (--teacher_params old).
+  Every skill baseline's teacher is θ_old with a library skill, scored once per update before the mini-batches, as
+  in the SDAR code (RLSDRayTrainer._compute_teacher_log_probs); SEED's teacher is the current θ (Alg. 1 l.22).
 
 Deviations / choices:
   * Without --annotator_url the stage-1 analyzer is the base policy itself (the paper uses GLM-5.2 at T = 0).
@@ -34,7 +59,14 @@ Deviations / choices:
   * Over-long prompts (agent or x_τ) lose their middle, keeping the chat template, the task and the latest steps
     (common.encode_prompt; counted); the teacher context is H applied to the prompt the student actually saw.
   * A tied group (all R equal) gets A = 0 exactly, never NaN (see group_advantages).
-  * With λ_opd = 0 no skills are generated (they would be unused).
+  * With λ_opd = 0 no skills are generated (they would be unused), unless RLSD needs a teacher.
+  * Library retrieval (--skill_source library), as SDAR's SkillProvider does by task type: the library's general
+    records (no "family") then those of the task's family (successful ones first when records say "won"), joined
+    by newlines and cut to skill_max_tokens; the same text for every rollout of a task, in the teacher context and,
+    for Skill-GRPO / Skill-Prompt*, in the policy's own. SDAR prepends the raw skill text; H here puts it under a
+    one-line header (LIBRARY_HEADER) before the agent prompt, as for SEED's own skills.
+  * The SDAR code also adds an entropy bonus (0.001) and a dual clip (c = 3) to every baseline's RL term (verl
+    defaults); none of our three papers states them and this file has neither.
   * The reference policy π_ref is the stage-1 checkpoint (the base model when stage 1 is skipped).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (not stated in Table 5; verl defaults).
   * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; common.py,
@@ -56,6 +88,9 @@ import torch
 import common as C
 import envs
 from common import arg
+
+
+DISTILL = ("opd", "sdl")
 
 
 @dataclass
@@ -96,8 +131,23 @@ class Args:
     beta_opd: float = arg(5.0, "gate sharpness β_opd (paper 5.0)")
     lambda_opd: float = arg(0.01, "OPD coefficient λ_opd (paper 0.01); 0 = plain GRPO")
     adv_eps: float = arg(1e-6, "ε in (R − μ)/(σ + ε)")
-    skill_source: str = arg("on_policy", "on_policy: θ_old analyzes; static: the stage-1 skill library",
-                            ("on_policy", "static"))
+    skill_source: str = arg("on_policy", "on_policy: θ_old analyzes; static: the stage-1 skill library; library: "
+                                         "--skill_library, retrieved by task family (the Table 1 baselines)",
+                            ("on_policy", "static", "library"))
+    skill_library: str | None = arg(None, "JSONL of {'skill': text, 'family': task family (absent: every task)} "
+                                          "records, e.g. skills/alfworld.jsonl or a run's stage1/skills.jsonl")
+    # Table 1 baselines (module docstring)
+    teacher_params: str = arg("current", "who scores the teacher: current (SEED Alg. 1 l.22: θ in every micro-batch) "
+                                         "or old (θ_old once per update, as the SDAR code)", ("current", "old"))
+    pg_coef: float = arg(1.0, "weight of the clipped GRPO term of L_rl (0 = OPSD: distillation + KL only)")
+    distill: str = arg("opd", "distillation term: opd (Eq. 1, gated) or sdl (Skill-SD: ρ-weighted k3)", DISTILL)
+    rlsd_lambda: float = arg(0.0, "RLSD λ_0: teacher-weighted token advantages (0.5 in the SDAR code; 0 = off)")
+    rlsd_warmdown: int = arg(100, "RLSD W: λ_t = λ_0 (1 − t/W) at update t = 1, 2, …, 0 from t = W on")
+    rlsd_clip: float = arg(0.2, "RLSD ε_w: w_t clipped to [1 − ε_w, 1 + ε_w]")
+    train_with_skills: bool = arg(False, "Skill-GRPO: the retrieved library skill is in the policy's own context "
+                                         "in rollouts and updates")
+    eval_with_skills: bool = arg(False, "Skill-Prompt* / Skill-GRPO*: validate with the retrieved skill in the "
+                                        "policy's context")
     skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection")
     max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
     max_response_len: int | None = arg(None, "response tokens (paper 512)")
@@ -158,6 +208,15 @@ def resolve(args: Args) -> Args:
         args.grad_ckpt = torch.cuda.is_available()
     if args.skill_source == "static" and args.skip_sft:
         raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
+    if (args.skill_source == "library") != bool(args.skill_library):
+        raise SystemExit("--skill_source library and --skill_library FILE go together")
+    if (args.train_with_skills or args.eval_with_skills) and args.skill_source != "library":
+        raise SystemExit("--train_with_skills / --eval_with_skills need --skill_source library --skill_library FILE")
+    if args.rlsd_lambda > 0 and (args.teacher_params != "old" or args.lambda_opd > 0):
+        raise SystemExit("RLSD (--rlsd_lambda > 0) scores its teacher with θ_old and has no distillation loss: "
+                         "add --teacher_params old --lambda_opd 0")
+    if args.pg_coef == 0 and args.lambda_opd == 0:
+        raise SystemExit("--pg_coef 0 with --lambda_opd 0 leaves only the KL term to train")
     C.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
@@ -183,6 +242,34 @@ def opd_loss(logp, skill_logp, mask, beta_opd: float, denom=None):
     delta = (skill_logp - logp).detach()
     gate = torch.sigmoid(beta_opd * delta)
     return C.masked_mean(gate * (skill_logp.detach() - logp), mask, denom), gate
+
+
+def sdl_loss(logp, old_logp, teacher_logp, mask, denom=None):
+    """Skill-SD (SDAR code, skillsd_utils.compute_sdl_loss): L_sdl = token-mean[ρ · k3] with e = ℓ_θ − sg ℓ_T,
+    k3 = exp(min(−e, 20)) − 1 + e (the k3 estimate of KL(π_θ ‖ π_T) on the sampled token) and
+    ρ = exp(min(ℓ_θ − sg ℓ_old, 10)); the gradient flows through ρ and k3 alike."""
+    e = logp - teacher_logp.detach()
+    k3 = torch.exp((-e).clamp(max=20.0)) - 1.0 + e
+    rho = torch.exp((logp - old_logp.detach()).clamp(max=10.0))
+    return C.masked_mean(rho * k3, mask, denom)
+
+
+def rlsd_lambda_at(update: int, lam0: float, warmdown: int) -> float:
+    """RLSD's schedule (SDAR code, RLSDRayTrainer._get_rlsd_lambda): λ_t = λ_0 (1 − t/W) for t < W, else 0, with
+    t = update + 1 (verl counts global steps from 1)."""
+    t = update + 1
+    return lam0 * (1.0 - t / warmdown) if t < warmdown else 0.0
+
+
+def rlsd_advantages(adv: float, old_lp: torch.Tensor, teacher_lp: torch.Tensor | None, lam: float,
+                    clip_w: float) -> torch.Tensor:
+    """RLSD (SDAR code, compute_rlsd_token_advantage): Â_t = A((1 − λ_t) + λ_t w_t), w_t = clip(exp(sign(A) Δ_t),
+    1 − ε_w, 1 + ε_w), Δ_t = ℓ_T − ℓ_old (teacher and student both θ_old, so no gradient). The sign of A is kept
+    and |Â_t / A − 1| ≤ λ_t ε_w. A turn without a teacher keeps Â_t = A."""
+    if teacher_lp is None:
+        return torch.full_like(old_lp, adv)
+    w = torch.exp(math.copysign(1.0, adv) * (adv != 0) * (teacher_lp - old_lp)).clamp(1 - clip_w, 1 + clip_w)
+    return adv * ((1 - lam) + lam * w)
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip_eps: float, beta_kl: float, denom=None):
@@ -239,10 +326,14 @@ def parse_skill(text: str | None) -> str | None:
     return skill if 3 <= len(skill.split()) <= 300 else None
 
 
-def inject_skill(prompt_text: str, skill: str) -> str:
-    """H(h, s): the privileged skill block goes before the ordinary agent prompt (training time only)."""
-    return ("Hindsight skill distilled from a completed attempt at this task:\n"
-            f"{skill}\n\n{prompt_text}")
+HINDSIGHT_HEADER = "Hindsight skill distilled from a completed attempt at this task:"
+LIBRARY_HEADER = "Skill retrieved for this kind of task:"
+
+
+def inject_skill(prompt_text: str, skill: str, header: str = HINDSIGHT_HEADER) -> str:
+    """H(h, s): the privileged skill block goes before the ordinary agent prompt (training time only; a library
+    skill also goes to the policy's own context for Skill-GRPO / Skill-Prompt*)."""
+    return f"{header}\n{skill}\n\n{prompt_text}"
 
 
 def cut_skill(tok, skill: str, max_tokens: int) -> str:
@@ -342,6 +433,7 @@ class Sample:
 
 def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]:
     """Alg. 1 l.10-15: group advantages and the skill-augmented context of every turn."""
+    header = LIBRARY_HEADER if args.skill_source == "library" else HINDSIGHT_HEADER
     groups = sorted({tr.group for tr in trajs})  # may be empty: a rank with no task this update
     rewards = torch.tensor([[tr.reward for tr in trajs if tr.group == g] for g in groups]) if groups \
         else torch.zeros(0, args.group_size)
@@ -352,7 +444,7 @@ def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]
     for tr, skill in zip(trajs, skills):
         skill = cut_skill(tok, skill, args.skill_max_tokens) if skill else None
         for turn in tr.turns:
-            teacher = C.encode_prompt(tok, inject_skill(turn.prompt_text, skill), 2 * args.max_prompt_len)[0] \
+            teacher = C.encode_prompt(tok, inject_skill(turn.prompt_text, skill, header), 2 * args.max_prompt_len)[0] \
                 if skill else None
             samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)], turn.engine_logp))
     return samples, adv
@@ -373,14 +465,38 @@ def skill_branch(policy, batch: list[Sample], responses, d):
     return skill_lp, has
 
 
-def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
-    """Cache ℓ_old (Alg. 1 l.16) and ℓ_ref, then one epoch of mini-batches of L_SEED (l.21-29)."""
+def teacher_scores_old(policy, samples: list[Sample], R, args, d) -> list[torch.Tensor | None]:
+    """--teacher_params old (the SDAR code's baselines): ℓ_T = log π_θold(a | H(h, s)) for every turn with a skill,
+    once per update before the mini-batches, then frozen; None for turns without one."""
+    rows = [i for i, s in enumerate(samples) if s.teacher_ids]
+    lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d.device)
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for i, t in zip(rows, lp):
+        out[i] = t
+    return out
+
+
+def cached_teacher(cache: list, idx: list[int], responses, d):
+    """(ℓ_T [B, R], has [B, 1]) for a micro-batch from teacher_scores_old, laid out like skill_branch's."""
+    rows = [cache[i] if cache[i] is not None else torch.zeros(len(r)) for i, r in zip(idx, responses)] \
+        or [torch.zeros(1)]
+    has = torch.tensor([[float(cache[i] is not None)] for i in idx] or [[0.0]], device=d.device)
+    return C.pad_right(rows, d.device), has
+
+
+def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update: int = 0) -> dict:
+    """Cache ℓ_old (Alg. 1 l.16) and ℓ_ref (and ℓ_T for --teacher_params old), then one epoch of mini-batches of
+    L_SEED (l.21-29), or of the Table 1 baseline the flags select."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         old = C.score(policy, P, R, args.micro_batch, d.device)   # ℓ_old: θ_old = θ before this update
         ref_lp = C.score(ref, P, R, args.micro_batch, d.device)   # π_ref, for the KL term of L_rl
+        teacher_old = teacher_scores_old(policy, samples, R, args, d) if args.teacher_params == "old" else None
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
+    lam_t = rlsd_lambda_at(update, args.rlsd_lambda, args.rlsd_warmdown) if args.rlsd_lambda > 0 else 0.0
+    adv_tok = [rlsd_advantages(s.adv, old[i], teacher_old[i], lam_t, args.rlsd_clip) for i, s in enumerate(samples)] \
+        if args.rlsd_lambda > 0 else [torch.full_like(old[i], s.adv) for i, s in enumerate(samples)]  # RLSD, or A
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
@@ -393,25 +509,30 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
                 p = [P[i] for i in idx] or [C.DUMMY[0]]
                 r = [R[i] for i in idx] or [C.DUMMY[1]]
-                if args.lambda_opd > 0:
+                if args.lambda_opd > 0 and teacher_old is not None:
+                    skill_lp, has = cached_teacher(teacher_old, idx, r, d)  # ℓ_T(θ_old), frozen for the update
+                elif args.lambda_opd > 0:
                     with timer("teacher"):  # time/teacher is a part of time/update
                         skill_lp, has = skill_branch(policy, [samples[i] for i in idx], r, d)
                 # Alg. 1 l.22, student branch: ℓ_θ in the ordinary context, with gradient
                 logp, mask = C.sequence_logprobs(policy, p, r, d.device)
                 old_lp = C.pad_right([old[i] for i in idx] or [torch.zeros(1)], d.device)
                 ref_b = C.pad_right([ref_lp[i] for i in idx] or [torch.zeros(1)], d.device)
-                adv = torch.tensor([samples[i].adv for i in idx] or [0.0], device=d.device)[:, None]
+                adv = C.pad_right([adv_tok[i] for i in idx] or [torch.zeros(1)], d.device)  # A_{q,n} per token
                 adv = adv * C.pad_right([is_w[i] for i in idx] or [torch.ones(1)], d.device)  # --rollout_is
                 # Alg. 1 l.25-26: ρ = exp(ℓ_θ − ℓ_old), clipped GRPO loss + β_KL·KL over the mini-batch's tokens
-                l_rl, pg, kl = grpo_loss(logp, old_lp, ref_b, adv, mask, args.clip_eps, args.beta_kl, n_tok)
-                loss = l_rl  # with λ_opd = 0 the teacher branch is never run: exactly GRPO
-                if args.lambda_opd > 0:
-                    l_opd, gate = opd_loss(logp, skill_lp, mask * has, args.beta_opd, n_tok)  # l.23-24, 27
-                    loss = l_rl + args.lambda_opd * l_opd  # L_SEED (Alg. 1 l.28)
+                _, pg, kl = grpo_loss(logp, old_lp, ref_b, adv, mask, args.clip_eps, args.beta_kl, n_tok)
+                loss = args.pg_coef * pg + args.beta_kl * kl  # L_rl; OPSD: pg_coef 0 keeps only the KL
+                if args.lambda_opd > 0:  # with λ_opd = 0 the teacher branch is never run: exactly GRPO
                     m = (mask * has).detach()
+                    if args.distill == "opd":
+                        l_opd, gate = opd_loss(logp, skill_lp, m, args.beta_opd, n_tok)  # l.23-24, 27
+                        sums["gate"] += (gate * m).sum().item()
+                        sums["gate_sq"] += (gate ** 2 * m).sum().item()
+                    else:  # Skill-SD
+                        l_opd = sdl_loss(logp, old_lp, skill_lp, m, n_tok)
+                    loss = loss + args.lambda_opd * l_opd  # L_SEED (Alg. 1 l.28)
                     sums["opd"] += l_opd.item()
-                    sums["gate"] += (gate * m).sum().item()
-                    sums["gate_sq"] += (gate ** 2 * m).sum().item()
                     sums["delta"] += ((skill_lp - logp).detach() * m).sum().item()
                     sums["opd_tokens"] += m.sum().item()
                 (loss * scale).backward()
@@ -419,16 +540,57 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 sums["kl"] += kl.item() * bool(idx)
                 sums["tokens"] += mask.sum().item() * bool(idx)
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))  # Alg. 1 l.29
+    if args.rlsd_lambda > 0:  # mean Â/A over the tokens of turns with A ≠ 0: how much the teacher re-weighted
+        sums["rlsd_w"] = sum((a / s.adv).sum().item() for a, s in zip(adv_tok, samples) if s.adv)
+        sums["rlsd_tokens"] = float(sum(len(a) for a, s in zip(adv_tok, samples) if s.adv))
     keys = list(sums)
     tot = dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device)))
+    rlsd = {"rlsd/lambda": lam_t, "rlsd/weight_mean": tot["rlsd_w"] / max(tot["rlsd_tokens"], 1.0)} \
+        if args.rlsd_lambda > 0 else {}
     n_opd = max(tot["opd_tokens"], 1.0)
     gate_mean = tot["gate"] / n_opd
     return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb, "losses/opd": tot["opd"] / n_mb,
-            "losses/total": (tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
+            "losses/total": (args.pg_coef * tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
             "opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0)),
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
-            **C.rollout_mismatch(old, engine_lp, d)}
+            **rlsd, **C.rollout_mismatch(old, engine_lp, d)}
+
+
+def load_library(path: str) -> list[dict]:
+    """--skill_library: one JSON object per line with a non-empty "skill" text and an optional "family"."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--skill_library {path}: no such file (skills/alfworld.jsonl, skills/search.jsonl, or a "
+                         f"SEED run's stage1/skills.jsonl)")
+    lib = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                x = json.loads(line)
+                assert isinstance(x, dict) and isinstance(x.get("skill"), str) and x["skill"].strip()
+            except (ValueError, AssertionError):
+                raise SystemExit(f"--skill_library {path}, line {n}: expected {{\"skill\": text, \"family\": ...}}")
+            lib.append(x)
+    return lib
+
+
+def retrieve_skill(lib: list[dict], family: str) -> str | None:
+    """The task's library skill (SDAR's SkillProvider, by task type): every general record (no "family"), then the
+    family's own (successful first when the records say "won"), one per line; None if the library has none."""
+    general = [x["skill"] for x in lib if not x.get("family")]
+    own = sorted((x for x in lib if x.get("family") == family), key=lambda x: not x.get("won", True))
+    return "\n".join(general + [x["skill"] for x in own]) or None
+
+
+def library_context(lib: list[dict], tok, args):
+    """Skill-GRPO / Skill-Prompt*: the policy's own prompt is H(h, retrieved skill), for collect(context=...)."""
+    def context(env) -> str:
+        skill = retrieve_skill(lib, env.family)
+        return inject_skill(env.prompt(), cut_skill(tok, skill, args.skill_max_tokens), LIBRARY_HEADER) if skill \
+            else env.prompt()
+    return context
 
 
 def static_library(path: str) -> dict[tuple, list[str]]:
@@ -450,8 +612,11 @@ def main(args: Args):
     d = C.init_distributed(args.seed)
     tok = C.load_tokenizer(args.model)
     train_ids, make_train, evals = C.task_envs(args)
+    library = load_library(args.skill_library) if args.skill_source == "library" else None  # Table 1 baselines
+    train_context = library_context(library, tok, args) if args.train_with_skills else None  # Skill-GRPO
+    eval_context = library_context(library, tok, args) if args.eval_with_skills else None    # Skill-Prompt*, *
     if args.eval_only:
-        return C.shutdown(C.eval_only(args, "seed", d, tok, evals))
+        return C.shutdown(C.eval_only(args, "seed", d, tok, evals, eval_context))
     run = C.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
     # the rollout engine, for both stages: it holds the base model for stage 1; sync() pushes θ before every use
     engine = C.make_engine(args, args.model, tok, d)
@@ -463,7 +628,7 @@ def main(args: Args):
         init = os.path.join(args.out_dir, "stage1")
     else:
         init = run_stage1(args, d, tok, make_train, train_ids, run, engine)
-    lib = static_library(init) if args.skill_source == "static" else None
+    static = static_library(init) if args.skill_source == "static" else None
     theta = run.state or init                                                        # resumed θ
     policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
     ref = C.shard(C.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
@@ -478,24 +643,26 @@ def main(args: Args):
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
         with timer("rollout"):                                                       # l.9: G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
-                                      args.max_response_len, args.temperature, args.top_p)
+                                      args.max_response_len, args.temperature, args.top_p, train_context)
         with timer("analysis"):                                                      # l.13: s = A_θold(x_τ)
-            if args.lambda_opd == 0:  # 'w/o OPD' ablation: skills would be unused
+            if args.lambda_opd == 0 and args.rlsd_lambda == 0:  # 'w/o OPD' ablation, GRPO: skills would be unused
                 skills = [None] * len(trajs)
-            elif lib is not None:
-                skills = library_skills(trajs, lib, random.Random(update))
+            elif library is not None:                                                # the baselines' teacher
+                skills = [retrieve_skill(library, tr.family) for tr in trajs]
+            elif static is not None:
+                skills = library_skills(trajs, static, random.Random(update))
             else:
                 skills = analyze(trajs, engine, args)
         samples, adv = build_samples(trajs, skills, tok, args)                      # l.10-15
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
-        row = {"update": update, "stage": 2, **seed_update(policy, ref, opt, samples, args, d, timer)}
+        row = {"update": update, "stage": 2, **seed_update(policy, ref, opt, samples, args, d, timer, update)}
         n_sk, n_tr, n_zero, n_grp = C.global_sum([sum(s is not None for s in skills), len(trajs),
                                                   float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"skills/valid_rate": n_sk / max(n_tr, 1), "adv/tied_group_frac": n_zero / max(n_grp, 1),
                     "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.validate(update, args, engine, policy, evals, d, timer))
+        row.update(C.validate(update, args, engine, policy, evals, d, timer, eval_context))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
     C.shutdown(engine)
