@@ -307,29 +307,39 @@ def tiny_flags(script: str) -> list[str]:
     return out
 
 
-def run_recipe(command: str, tmp_path: Path, out: Path) -> list[dict]:
-    """`python script flags…` with runs/… paths moved under tmp_path, the TINY_RUN budget and out_dir = out."""
+def run_recipe(command: str, tmp_path: Path) -> tuple[str, list[dict] | str]:
+    """`python script flags…` with runs/… paths moved under tmp_path and the TINY_RUN budget; a command without
+    its own --out_dir writes to tmp_path/<row slug>. Returns (command, its metrics rows, or the stderr tail)."""
     script, *argv = command.split()[1:]
     argv = [str(tmp_path / a) if a.startswith("runs/") else a for a in argv]
-    r = subprocess.run([sys.executable, script, *argv, "--out_dir", str(out), *tiny_flags(script)], cwd=HERE,
-                       env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    if "--out_dir" not in argv:
+        argv += ["--out_dir", str(tmp_path / re.sub(r"\W+", "_", command))]
+    out = Path(argv[argv.index("--out_dir") + 1])
+    r = subprocess.run([sys.executable, script, *argv, *tiny_flags(script)], cwd=HERE,
+                       env={**clean_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return command, r.stderr[-2000:]
+    return command, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("row,command", recipe_commands())
-def test_recipe_command_runs(row, command, tmp_path):
-    """Each recipe on the embedded env and the tiny model, 1 update (eval-only rows: one evaluation), with the
-    README's flags as written. A checkpoint a row evaluates (--model runs/X/final) comes first from the recipe
-    that writes runs/X (Skill-GRPO* evaluates the Skill-GRPO run)."""
-    model = re.search(r"--model runs/(\S+)/final", command)
-    if model:
-        producer = [c for _, c in recipe_commands() if f"--out_dir runs/{model.group(1)}" in c]
-        assert len(producer) == 1, f"no recipe writes runs/{model.group(1)}"
-        run_recipe(producer[0], tmp_path, tmp_path / "runs" / model.group(1))
-    rows = run_recipe(command, tmp_path, tmp_path / "out")
-    assert any("eval/success" in x for x in rows)
-    if "--eval_only" in command:
-        assert [x.get("eval_only") for x in rows] == [1]
-    else:
-        assert any(x.get("update") == 0 and "losses/total" in x for x in rows)
+def test_every_recipe_command_runs(tmp_path):
+    """Every command of the README's recipe tables on the embedded env and the tiny model, 1 update (eval-only rows:
+    one evaluation), with the README's flags as written; two at a time. The rows that write a named run
+    (--out_dir runs/X) go first, so that a row evaluating runs/X/final (Skill-GRPO*) scores that very run."""
+    from concurrent.futures import ThreadPoolExecutor
+    commands = [c for _, c in recipe_commands()]
+    producers = [c for c in commands if "--out_dir runs/" in c]
+    for c in commands:
+        m = re.search(r"--model runs/(\S+)/final", c)
+        assert not m or any(f"--out_dir runs/{m.group(1)}" in p for p in producers), c
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda c: run_recipe(c, tmp_path), producers))
+        results += list(pool.map(lambda c: run_recipe(c, tmp_path), [c for c in commands if c not in producers]))
+    failed = {c: r for c, r in results if isinstance(r, str)}
+    assert not failed, "\n\n".join(f"{c}\n{r}" for c, r in failed.items())
+    for command, rows in results:
+        assert any("eval/success" in x for x in rows), command
+        if "--eval_only" in command:
+            assert [x.get("eval_only") for x in rows] == [1], command
+        else:
+            assert any(x.get("update") == 0 and "losses/total" in x for x in rows), command
