@@ -551,7 +551,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
     gate_mean = tot["gate"] / n_opd
     return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb, "losses/opd": tot["opd"] / n_mb,
             "losses/total": (args.pg_coef * tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
-            "opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0)),
+            **({"opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0))}
+               if args.distill == "opd" else {}),  # Skill-SD has no gate
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
             **rlsd, **C.rollout_mismatch(old, engine_lp, d)}

@@ -158,6 +158,7 @@ def test_skill_sd_matches_its_definition(d, tok, batch):
     # 1.0e-6 measured, on the tied embedding only (its step is 0.09: float32 summation order, ρ·k3 reaches e^5)
     assert max_diff(got, independent_step(samples, sdl)) < 2e-6
     assert row["losses/opd"] > 0  # k3 ≥ 0, and the skill moves the teacher off the student
+    assert "opd/gate_mean" not in row  # no gate in Skill-SD
 
 
 def test_sdl_loss_by_hand_including_its_clamps():
