@@ -504,6 +504,8 @@ class CollectStats:
     retrieval_failures: int = 0  # ... got no answer (the agent saw a failure text),
     bad_replies: int = 0         # ... or an answer that breaks the /retrieve contract (also a failure text)
     retriever: str = ""          # which retriever (URL or BM25 corpus), for the warning line
+    gen_seconds: float = 0.0     # wall seconds in engine.sample (the policy's turns),
+    env_seconds: float = 0.0     # ... in env resets and steps (and the bookkeeping between them)
 
     def metrics(self, d: Dist, require: bool = False) -> dict:
         """Summed over all ranks. Every retrieval of the update failing gets one warning line on rank 0 (fatal
@@ -513,32 +515,157 @@ class CollectStats:
         if s[2] and s[3] + s[4] == s[2]:
             total_failure(f"search: all {int(s[2])} retrievals from {self.retriever} failed this update "
                           f"({int(s[4])} bad replies): the agent saw failure texts instead of documents", require, d)
+        seconds = global_sum([self.gen_seconds, self.env_seconds], d.device)
         return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
-                "search/retrieval_failures": s[3], "search/bad_replies": s[4]}
+                "search/retrieval_failures": s[3], "search/bad_replies": s[4],
+                "perf/rollout_gen_seconds": seconds[0] / d.world, "perf/rollout_env_seconds": seconds[1] / d.world}
+
+
+@dataclass
+class EnvView:
+    """What collect() and a context function read of an environment that lives in an EnvPool worker, as of its
+    last reset or step."""
+    slot: int
+    task: str
+    family: str
+    observation: str
+    text: str               # env.prompt()
+    retriever: str = ""
+
+    def prompt(self) -> str:
+        return self.text
+
+
+def _view(slot: int, env) -> EnvView:
+    return EnvView(slot, env.task, env.family, env.observation, env.prompt(), getattr(env, "retriever", ""))
+
+
+def _env_worker(conn, factories: dict):
+    """An EnvPool worker: owns the environments of its slots; answers ("reset", key, [(slot, task id)]) and
+    ("step", key, [(slot, reply)]) in order, with views (and step results), until ("stop", …)."""
+    live = {}
+    while True:
+        op, key, items = conn.recv()
+        try:
+            if op == "stop":
+                return
+            out = []
+            for slot, arg in items:
+                if op == "reset":
+                    env = live.pop(slot, None) or factories[key]()
+                    env.reset(arg)
+                    live[slot] = env
+                    out.append(_view(slot, env))
+                else:
+                    env = live[slot]
+                    result = env.step(arg)
+                    out.append((result, _view(slot, env)))
+                    if result[2]:
+                        live.pop(slot).close()
+            conn.send(("ok", out))
+        except Exception:  # the parent raises it, with this traceback
+            import traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+class EnvPool:
+    """--env_workers K > 0: this rank's environments live in K worker processes (forked once, before the models
+    load), so that their resets and steps overlap with each other (and with nothing else: collect waits for them).
+    collect() sends one message per worker per turn: the episodes are dealt round-robin over the workers, each worker
+    resets / steps its share in order. factories: {name: make_env}, built in the workers; pool.envs(name) is what
+    collect() takes in place of make_env. Results are those of the same envs in this process (tested): the envs
+    draw on no global RNG."""
+
+    def __init__(self, factories: dict, workers: int):
+        import multiprocessing as mp
+        ctx = mp.get_context("fork")  # the factories are closures; the workers run env code only (no torch)
+        self.conns, self.procs = [], []
+        for _ in range(workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_env_worker, args=(child, factories), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def envs(self, key: str) -> "PooledEnvs":
+        return PooledEnvs(self, key)
+
+    def call(self, op: str, key: str, items: list[tuple[int, object]]) -> list:
+        """Send each worker its slots' items (slot % workers), gather the answers in the order of `items`."""
+        k = len(self.conns)
+        share = [[it for it in items if it[0] % k == w] for w in range(k)]
+        for conn, part in zip(self.conns, share):
+            if part:
+                conn.send((op, key, part))
+        answers = {}
+        for w, (conn, part) in enumerate(zip(self.conns, share)):
+            if not part:
+                continue
+            try:
+                status, out = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"env worker {w} (pid {self.procs[w].pid}) died") from None
+            if status == "error":
+                raise RuntimeError(f"env worker {w} failed:\n{out}")
+            answers.update({it[0]: o for it, o in zip(part, out)})
+        return [answers[slot] for slot, _ in items]
+
+    def close(self):
+        for conn in self.conns:
+            conn.send(("stop", None, None))
+        for proc in self.procs:
+            proc.join(timeout=10)
+
+
+@dataclass
+class PooledEnvs:
+    """One env factory of an EnvPool, as collect() takes it (make_env=pool.envs(name))."""
+    pool: EnvPool
+    key: str
+
+    def reset(self, task_ids: list[str]) -> list[EnvView]:
+        return self.pool.call("reset", self.key, list(enumerate(task_ids)))
+
+    def step(self, views: list[EnvView], replies: list[str]) -> list[tuple]:
+        """Step each view's env with its reply; the views are updated in place."""
+        out = self.pool.call("step", self.key, [(v.slot, r) for v, r in zip(views, replies)])
+        for v, (_, new) in zip(views, out):
+            v.observation, v.text = new.observation, new.text
+        return [result for result, _ in out]
 
 
 def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt: int, max_response: int,
             temperature: float, top_p: float, context=None) -> tuple[list[Trajectory], CollectStats]:
     """Play n rollouts of each task, all environments stepping in lock-step so each turn is one batched generate.
-    The policy sees env.prompt(), or context(env) when given (Skill-GRPO / Skill-Prompt*: a skill in its context)."""
-    envs, trajs = [], []
-    for g, task_id in enumerate(task_ids):
-        for _ in range(n):
-            env = make_env()
+    The policy sees env.prompt(), or context(env) when given (Skill-GRPO / Skill-Prompt*: a skill in its context).
+    make_env: an env factory (the envs live here), or EnvPool.envs(name) (they live in its workers). Wall seconds
+    of generation and of env resets + steps go to stats.gen_seconds / env_seconds."""
+    pooled, t0 = isinstance(make_env, PooledEnvs), time.perf_counter()
+    if pooled:
+        envs = make_env.reset([task_id for task_id in task_ids for _ in range(n)])
+    else:
+        envs = [make_env() for _ in range(n * len(task_ids))]
+        for env, task_id in zip(envs, [task_id for task_id in task_ids for _ in range(n)]):
             env.reset(task_id)
-            envs.append(env)
-            trajs.append(Trajectory(task_id, g, env.task, env.family, env.observation))
+    trajs = [Trajectory(task_id, g, env.task, env.family, env.observation)
+             for (g, task_id), env in zip([(g, t) for g, t in enumerate(task_ids) for _ in range(n)], envs)]
     stats, active = CollectStats(retriever=getattr(envs[0], "retriever", "") if envs else ""), \
         list(range(len(envs)))
+    stats.env_seconds += time.perf_counter() - t0
     while active:
         texts = [context(envs[i]) if context else envs[i].prompt() for i in active]
         encoded = [encode_prompt(engine.tok, t, max_prompt) for t in texts]
         stats.truncated_prompts += sum(used != t for t, (_, used) in zip(texts, encoded))
+        t0 = time.perf_counter()
         responses, logps = engine.sample([ids for ids, _ in encoded], max_response, temperature, top_p)
+        stats.gen_seconds += time.perf_counter() - t0
         logps = logps or [None] * len(responses)
         replies = [engine.tok.decode(resp, skip_special_tokens=True) for resp in responses]
+        t0 = time.perf_counter()
         step = lambda i, reply: envs[i].step(reply)  # noqa: E731
-        if getattr(envs[active[0]], "concurrent_steps", False):  # HTTP retrieval: a rank's steps in parallel
+        if pooled:
+            results = make_env.step([envs[i] for i in active], replies)
+        elif getattr(envs[active[0]], "concurrent_steps", False):  # HTTP retrieval: a rank's steps in parallel
             with ThreadPoolExecutor(min(len(active), 32)) as pool:
                 results = list(pool.map(step, active, replies))
         else:
@@ -555,9 +682,10 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
             trajs[i].score = float(info.get("score", info["won"]))
             if not done:
                 still.append(i)
-            elif hasattr(envs[i], "close"):
+            elif not pooled:  # (a worker closes its own)
                 envs[i].close()
         active = still
+        stats.env_seconds += time.perf_counter() - t0
     return trajs, stats
 
 
@@ -601,20 +729,39 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
 
 
 def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], device):
-    """Returns (logp [B, R], mask [B, R]). Layout per row: [left pad][prompt][response][right pad] (pads hold token
-    0 and are masked), so every response starts at column P and is predicted by the logits at P-1 … P+R-2: the
-    model computes only those (logits_to_keep). Left padding needs explicit position ids (DESIGN.md §4)."""
-    P, R = max(len(p) for p in prompts), max(len(r) for r in responses)
-    ids = torch.zeros((len(prompts), P + R), dtype=torch.long)
+    """Returns (logp [B, R], mask [B, R]): column j holds log π(response token j | prompt, response tokens < j), R is
+    the longest response. Layout: each row's prompt + response is right-aligned (left padding only, pads hold token 0
+    and are masked), so a micro-batch is as wide as its longest sequence and every response ends in the last column:
+    the model computes logits only for the last R + 1 positions (logits_to_keep), and each row's log-probs are then
+    shifted to start at column 0. Left padding needs explicit position ids (DESIGN.md §4). Every call adds its real
+    and computed (padded) token counts to FORWARD_TOKENS (padding_metrics)."""
+    W, R = max(len(p) + len(r) for p, r in zip(prompts, responses)), max(len(r) for r in responses)
+    FORWARD_TOKENS[0] += sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    FORWARD_TOKENS[1] += len(prompts) * W
+    ids = torch.zeros((len(prompts), W), dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, P - len(p):P + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        attn[i, P - len(p):P + len(r)] = 1
+        ids[i, W - len(p) - len(r):] = torch.tensor(p + r, dtype=torch.long)
+        attn[i, W - len(p) - len(r):] = 1
     ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, P:, None]).squeeze(-1)
-    return logp, attn[:, P:].float()
+    right = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
+    n = torch.tensor([len(r) for r in responses], device=ids.device)[:, None]
+    cols = torch.arange(R, device=ids.device)[None, :]
+    mask = cols < n  # response token j of row i sits in column R - n_i + j of `right`
+    return right.gather(1, (cols + R - n).clamp(max=max(R - 1, 0))), mask.float()
+
+
+FORWARD_TOKENS = [0, 0]  # (real, computed) tokens of every sequence_logprobs call since the last padding_metrics
+
+
+def padding_metrics(d: Dist) -> dict:
+    """perf/padding_frac: the share of the tokens the scoring and training forwards computed that were padding,
+    over all ranks since the last call (which resets the counts); perf/forward_tokens: how many they computed."""
+    real, computed = global_sum(FORWARD_TOKENS, d.device)
+    FORWARD_TOKENS[:] = [0, 0]
+    return {"perf/padding_frac": 1 - real / computed if computed else 0.0, "perf/forward_tokens": computed}
 
 
 DUMMY = ([0], [0])  # a 2-token micro-batch for ranks that have run out of real samples (its loss is scaled by 0)
@@ -629,14 +776,38 @@ def chunk(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i:i + size] for i in range(0, len(indices), size)]
 
 
+def micro_batches(indices: list[int], prompts: list[list[int]], responses: list[list[int]], rows: int,
+                  max_tokens: int) -> list[list[int]]:
+    """Split `indices` (one mini-batch, or a whole scoring pass) into forward micro-batches. max_tokens = 0: fixed
+    chunks of `rows` in the given order. Else length-aware (--micro_batch_tokens): longest first, each micro-batch
+    filled while its padded size, rows × (longest prompt + longest response) as sequence_logprobs lays it out,
+    stays ≤ max_tokens and it has ≤ `rows` rows (a sample over the budget gets a micro-batch of its own). Only the
+    grouping changes: every loss is normalised by its mini-batch's global counts, so the gradient is the same."""
+    if not max_tokens:
+        return chunk(indices, rows)
+    order = sorted(indices, key=lambda i: (len(prompts[i]) + len(responses[i]), i), reverse=True)
+    out, P, R = [], 0, 0
+    for i in order:
+        p, r = max(P, len(prompts[i])), max(R, len(responses[i]))
+        if out and len(out[-1]) < rows and (len(out[-1]) + 1) * (p + r) <= max_tokens:
+            out[-1].append(i)
+            P, R = p, r
+        else:
+            out.append([i])
+            P, R = len(prompts[i]), len(responses[i])
+    return out
+
+
 @torch.no_grad()
-def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, device):
-    """Per-sample response log-probs (list of 1-D CPU tensors) for a whole rank-local batch, without gradients."""
-    out = []
-    for idx in pad_chunks(chunk(list(range(len(prompts))), micro_bs), device):
+def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, device, max_tokens: int = 0):
+    """Per-sample response log-probs (list of 1-D CPU tensors, in input order) for a whole rank-local batch, without
+    gradients, in micro_batches(…, micro_bs, max_tokens)."""
+    out: list[torch.Tensor | None] = [None] * len(prompts)
+    for idx in pad_chunks(micro_batches(list(range(len(prompts))), prompts, responses, micro_bs, max_tokens), device):
         p, r = ([prompts[i] for i in idx], [responses[i] for i in idx]) if idx else ([DUMMY[0]], [DUMMY[1]])
         logp, _ = sequence_logprobs(model, p, r, device)
-        out += [logp[j, :len(responses[i])].cpu() for j, i in enumerate(idx)]
+        for j, i in enumerate(idx):
+            out[i] = logp[j, :len(responses[i])].cpu()
     return out
 
 
@@ -861,6 +1032,8 @@ MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields
     "updates": (1, "policy updates"), "tasks_per_update": (1, "tasks per update"),
     "group_size": (2, "group-relative advantages compare N ≥ 2 rollouts of one task"),
     "minibatch_turns": (1, "turns per optimiser step"), "micro_batch": (1, "turns per forward"),
+    "micro_batch_tokens": (0, "padded tokens per forward; 0 = fixed micro-batches"),
+    "env_workers": (0, "env worker processes per rank; 0 = none"),
     "max_steps": (1, "steps per episode"), "max_prompt_len": (64, "prompt tokens"),
     "max_response_len": (1, "response tokens"), "eval_every": (0, "0 = no eval"), "eval_tasks": (1, "held-out tasks"),
     "save_every": (1, "updates between checkpoints"), "sft_tasks": (1, "M"), "sft_rollouts": (1, "K0"),
@@ -901,6 +1074,8 @@ def check_run_args(args):
         raise SystemExit(f"--gpu_memory_utilization is a fraction ≤ 1; got {args.gpu_memory_utilization:g}")
     if args.resume and (args.overwrite or args.eval_only):
         raise SystemExit("--resume goes with neither --overwrite nor --eval_only")
+    if getattr(args, "micro_batch_tokens", 0) is None:  # never more tokens per forward than a full fixed micro-batch
+        args.micro_batch_tokens = args.micro_batch * (args.max_prompt_len + args.max_response_len)
     for name, (least, why) in MINIMUM.items():
         value = getattr(args, name, None)
         if value is not None and value < least:
@@ -1181,7 +1356,8 @@ EVAL_SPLITS = ("valid_seen", "valid_unseen", "both")  # both: valid_seen logs as
 
 def task_envs(args):
     """From a method's Args: the train task ids, the train env factory, and one (metrics prefix, env factory, ids)
-    per held-out split of --eval_split: a seeded sample of `eval_tasks` ids of that split."""
+    per held-out split of --eval_split: a seeded sample of `eval_tasks` ids of that split. With --env_workers K the
+    factories are those of an EnvPool of K worker processes (call this before the models load: the workers fork)."""
     import envs
     kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps, rules=args.env_rules)
     if args.env == "search":
@@ -1194,7 +1370,11 @@ def task_envs(args):
         make_valid = functools.partial(envs.make_env, args.env, split=split, **kw)
         ids = make_valid().task_ids()
         evals.append((prefix, make_valid, random.Random(args.seed).sample(ids, min(args.eval_tasks, len(ids)))))
-    return make_train().task_ids(), make_train, evals
+    train_ids = make_train().task_ids()
+    if args.env_workers > 0:  # --env_workers: the same factories, called in the pool's worker processes
+        pool = EnvPool({"train": make_train, **{prefix: make for prefix, make, _ in evals}}, args.env_workers)
+        make_train, evals = pool.envs("train"), [(prefix, pool.envs(prefix), ids) for prefix, _, ids in evals]
+    return train_ids, make_train, evals
 
 
 def evaluate_all(engine, evals, args, d: Dist, context=None) -> dict:

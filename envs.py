@@ -422,6 +422,10 @@ class HouseholdEnv(Env):
 
 # ----------------------------------------------------------------------------- alfworld (real games)
 _TW_IDS: dict[tuple, str] = {}
+# Gym envs of finished games, per (expert, max_steps), for the next game to load into: every new textworld env
+# dlopens its own copy of fast-downward's library and never unloads it (~5 MB each, measured), so a run that made
+# one per episode would grow by gigabytes; switching an existing env to another game file reuses its library.
+_FREE_GAMES: dict[tuple, list] = {}
 
 
 def _import_alfworld():
@@ -432,6 +436,13 @@ def _import_alfworld():
         from alfworld.agents.expert import handcoded_expert
     except ImportError as e:
         raise ImportError("the 'alfworld' environment needs: pip install alfworld==0.4.2 pyyaml") from e
+    import fast_downward
+    if not hasattr(fast_downward.pddl2sas, "cache_info"):
+        # Every load and reset of a game translates its PDDL problem 4 times (fast_downward.pddl2sas: ~95 % of the
+        # 0.5-3.9 s a reset costs). The translation depends only on the (domain, problem) text and textworld only
+        # reads the result, so the translations of the last 256 games are kept in this process (< 1 MB a game);
+        # textworld looks the function up at call time. Trajectories are unchanged (test_envs).
+        fast_downward.pddl2sas = functools.lru_cache(maxsize=256)(fast_downward.pddl2sas)
 
     class SafeExpert(alfred_tw_env.AlfredExpert):
         """ALFWorld's expert with two fixes: the handcoded one raises when it gives up (-> empty plan), and it draws
@@ -515,7 +526,14 @@ class AlfWorldEnv(Env):
         self.expert, self.game, self.loaded, self.infos = expert, None, None, {}
 
     def _make_game(self, path: str):
+        """A gym env on game `path`: a finished game's env switched to it (see _FREE_GAMES), else a new one."""
         textworld, tw_env, expert = self._tw
+        free = _FREE_GAMES.get((self.expert, self.max_steps))
+        if free:
+            game = free.pop()
+            game.gamefiles = [path]
+            game.seed(1234)  # textworld's own order of its (one) game file; reset() then loads it
+            return game
         key = (path, self.expert, self.max_steps)
         if key not in _TW_IDS:  # register once per game; pass wrapper classes, never instances (they'd be shared)
             wrappers = [functools.partial(tw_env.AlfredDemangler, shuffle=False), tw_env.AlfredInfos]
@@ -563,8 +581,9 @@ class AlfWorldEnv(Env):
         return None if self.done else plan[0]
 
     def close(self) -> None:
+        """Hand the gym env to the next game (_FREE_GAMES) instead of closing it."""
         if self.game is not None:
-            self.game.close()
+            _FREE_GAMES.setdefault((self.expert, self.max_steps), []).append(self.game)
         self.game, self.loaded = None, None
 
 

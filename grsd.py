@@ -83,6 +83,8 @@ class Args:
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
                                      "items_*.json)")
+    env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
+                                 "steps overlap (0: in the trainer's process)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
     retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
     retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
@@ -123,6 +125,9 @@ class Args:
     top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256)")
     micro_batch: int | None = arg(None, "sequences per forward/backward on one rank")
+    micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
+                                         "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
+                                         "micro_batch × (max_prompt_len + max_response_len))")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
     # Rollout engine (common.make_engine; README, vLLM)
@@ -473,16 +478,17 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     """Scoring under the frozen snapshot (θ = θ_old before any step), Â, then the joint loss (Alg. 1 l.28-29)."""
     P, R = [s.prompt_ids for s in turns], [s.response_ids for s in turns]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device)                     # ℓ_stu = log π_θold
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)
+        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # ℓ_stu = log π_θold
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)
         live = [j for j, s in enumerate(refls) if s.adv != 0]  # A_ref = 0 ⇒ φ(ρ, 0) = 0: no pass needed
-        r_old = dict(zip(live, C.score(policy, [refls[j].prompt_ids for j in live], [refls[j].response_ids for j in live],
-                                       args.micro_batch, d.device)))               # reflection tokens, θ_old
+        RP, RR = [s.prompt_ids for s in refls], [s.response_ids for s in refls]
+        r_old = dict(zip(live, C.score(policy, [RP[j] for j in live], [RR[j] for j in live], args.micro_batch,
+                                       d.device, args.micro_batch_tokens)))  # reflection tokens, θ_old
     rows = [j for j, s in enumerate(turns) if s.teacher_ids]
     tea = list(old)
     with timer("teacher"):                                                          # Eq. (9): ℓ_tea under θ̄
         scored = C.score(policy, [turns[j].teacher_ids for j in rows], [R[j] for j in rows], args.micro_batch,
-                         d.device)
+                         d.device, args.micro_batch_tokens)
     for j, lp in zip(rows, scored):
         tea[j] = lp
     adv, delta_turn = modulated_advantages(turns, old, tea, args)
@@ -499,8 +505,9 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             mb, rmb = order[b::n_mb], r_order[b::n_mb]
             # Σ 1/N_i over the mini-batch's task tokens (its trajectories) and its reflection count (all of them)
             denom, r_denom = C.global_sum([sum(turns[j].weight * len(R[j]) for j in mb), float(len(rmb))], d.device)
-            chunks = [("task", c) for c in C.chunk(mb, args.micro_batch)] + \
-                     [("ref", c) for c in C.chunk([j for j in rmb if j in r_old], args.micro_batch)]
+            chunks = [("task", c) for c in C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)] + \
+                     [("ref", c) for c in C.micro_batches([j for j in rmb if j in r_old], RP, RR, args.micro_batch,
+                                                          args.micro_batch_tokens)]
             chunks += [("pad", [])] * (C.global_max(len(chunks), d.device) - len(chunks))  # equal FSDP forwards
             for kind, idx in chunks:
                 src = refls if kind == "ref" else turns
@@ -541,7 +548,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
             "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok,
-            **C.rollout_mismatch(old, engine_lp, d)}
+            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d)}
 
 
 def main(args: Args):

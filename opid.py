@@ -78,6 +78,8 @@ class Args:
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
                                      "items_*.json)")
+    env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
+                                 "steps overlap (0: in the trainer's process)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
     retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
     retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
@@ -113,6 +115,9 @@ class Args:
     top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
     micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
+    micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
+                                         "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
+                                         "micro_batch × (max_prompt_len + max_response_len))")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
     # Rollout engine (common.make_engine; README, vLLM)
@@ -534,14 +539,14 @@ def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
     any parameter update (θ = θ_old). Returns three lists of 1-D CPU tensors (ℓ_skill = ℓ_old where no skill)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device)        # l.18: ℓ_old = log π_θold(y | h)
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)        # π_ref, for the β·KL term (§3.4)
+        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # l.18: ℓ_old = log π_θold(y|h)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # π_ref, for β·KL (§3.4)
     skill = list(old)
     if args.lambda_skill > 0:
         rows = [i for i, s in enumerate(samples) if s.teacher_ids]
         with timer("teacher"):                                         # l.19: ℓ_skill = log π_θold(y | H(h, s))
             scored = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch,
-                             d.device)
+                             d.device, args.micro_batch_tokens)
         for i, lp in zip(rows, scored):
             skill[i] = lp
     return old, ref_lp, skill
@@ -550,7 +555,7 @@ def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
 def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
     """Paired scoring, A_OPID, then one epoch of mini-batches of the clipped objective (Alg. 1 l.18-31)."""
     old, ref_lp, skill = paired_scores(policy, ref, samples, args, d, timer)
-    R = [s.response_ids for s in samples]
+    P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     # Alg. 1 l.20-22 for every sample at once (rows right-padded to the longest response)
     width = max((len(r) for r in R), default=1)
     mask = torch.tensor([[float(j < len(r)) for j in range(width)] for r in R]).reshape(-1, width)
@@ -571,9 +576,9 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # valid tokens of the whole mini-batch
-            for idx in C.pad_chunks(C.chunk(mb, args.micro_batch), d.device):
+            for idx in C.pad_chunks(C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens), d.device):
                 scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
-                p = [samples[i].prompt_ids for i in idx] or [C.DUMMY[0]]
+                p = [P[i] for i in idx] or [C.DUMMY[0]]
                 r = [R[i] for i in idx] or [C.DUMMY[1]]
                 logp, mb_mask = C.sequence_logprobs(policy, p, r, d.device)              # ℓ_θ, with gradient
                 rows = lambda xs: C.pad_right([xs[i] for i in idx] or [torch.zeros(1)], d.device)  # noqa: E731
@@ -595,7 +600,7 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
             "skill/token_frac": tot["skill_tokens"] / n_all,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
-            **C.rollout_mismatch(old, engine_lp, d)}
+            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d)}
 
 
 def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> dict:

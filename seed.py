@@ -103,6 +103,8 @@ class Args:
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
                                      "items_*.json)")
+    env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
+                                 "steps overlap (0: in the trainer's process)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
     retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
     retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
@@ -158,6 +160,9 @@ class Args:
     top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
     micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
+    micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
+                                         "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
+                                         "micro_batch × (max_prompt_len + max_response_len))")
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
     # Rollout engine (common.make_engine; README, vLLM)
@@ -410,7 +415,8 @@ def sft_train(policy, tok, data, args, d) -> dict:
         for step in C.pad_chunks(C.chunk(order, per_rank), d.device):
             n_global = C.global_sum([len(step)], d.device)[0]
             total = 0.0
-            for idx in C.pad_chunks(C.chunk(step, args.micro_batch), d.device):
+            for idx in C.pad_chunks(C.micro_batches(step, prompts, targets, args.micro_batch, args.micro_batch_tokens),
+                                    d.device):
                 p, r = ([prompts[i] for i in idx], [targets[i] for i in idx]) if idx else ([C.DUMMY[0]], [C.DUMMY[1]])
                 logp, mask = C.sequence_logprobs(policy, p, r, d.device)
                 loss = sft_loss(logp, mask, n_global) * (d.world if idx else 0.0)  # FSDP averages over ranks
@@ -418,7 +424,8 @@ def sft_train(policy, tok, data, args, d) -> dict:
                 total += loss.item() / d.world
             C.clip_and_step(policy, opt, args.max_grad_norm)
             losses.append(C.global_sum([total], d.device)[0])
-    return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1], "sft/steps": len(losses)}
+    return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1], "sft/steps": len(losses),
+            **C.padding_metrics(d)}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -473,7 +480,8 @@ def teacher_scores_old(policy, samples: list[Sample], R, args, d) -> list[torch.
     """--teacher_params old (the SDAR code's baselines): ℓ_T = log π_θold(a | H(h, s)) for every turn with a skill,
     once per update before the mini-batches, then frozen; None for turns without one."""
     rows = [i for i, s in enumerate(samples) if s.teacher_ids]
-    lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d.device)
+    lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d.device,
+                 args.micro_batch_tokens)
     out: list[torch.Tensor | None] = [None] * len(samples)
     for i, t in zip(rows, lp):
         out[i] = t
@@ -493,8 +501,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
     L_SEED (l.21-29), or of the Table 1 baseline the flags select."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device)   # ℓ_old: θ_old = θ before this update
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device)   # π_ref, for the KL term of L_rl
+        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # ℓ_old: θ before the update
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # π_ref, for L_rl's KL
         teacher_old = teacher_scores_old(policy, samples, R, args, d) if args.teacher_params == "old" else None
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
@@ -504,12 +512,14 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
+    current_teacher = args.lambda_opd > 0 and teacher_old is None  # l.22 runs the teacher in every micro-batch:
+    widest = [s.teacher_ids or s.prompt_ids if current_teacher else s.prompt_ids for s in samples]  # pack by it
     sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
     norms = []
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # Σm over the whole mini-batch
-            for idx in C.pad_chunks(C.chunk(mb, args.micro_batch), d.device):
+            for idx in C.pad_chunks(C.micro_batches(mb, widest, R, args.micro_batch, args.micro_batch_tokens), d.device):
                 scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
                 p = [P[i] for i in idx] or [C.DUMMY[0]]
                 r = [R[i] for i in idx] or [C.DUMMY[1]]
@@ -559,7 +569,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
                if args.distill == "opd" else {}),  # Skill-SD has no gate
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
-            **rlsd, **C.rollout_mismatch(old, engine_lp, d)}
+            **rlsd, **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d)}
 
 
 def load_library(path: str) -> list[dict]:
