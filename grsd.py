@@ -548,7 +548,8 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
             "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok,
-            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d)}
+            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
+            "perf/teacher_tokens": C.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d)}
 
 
 def main(args: Args):
@@ -570,7 +571,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
-        timer, t0 = C.Timer(), time.perf_counter()
+        timer, t0, generated = C.Timer(), time.perf_counter(), engine.generated
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.1
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)
@@ -599,6 +600,7 @@ def main(args: Args):
                     **C.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
+        row["perf/generated_tokens"] = C.global_sum([engine.generated - generated], d.device)[0]  # every role
         row.update(C.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

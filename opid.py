@@ -600,7 +600,10 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
             "skill/token_frac": tot["skill_tokens"] / n_all,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
-            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d)}
+            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
+            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in samples if s.teacher_ids],
+                                                   [s.response_ids for s in samples if s.teacher_ids], d)
+            if args.lambda_skill > 0 else 0.0}
 
 
 def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> dict:
@@ -640,7 +643,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
-        timer, t0 = C.Timer(), time.perf_counter()
+        timer, t0, generated = C.Timer(), time.perf_counter(), engine.generated
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.3: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.4
@@ -661,6 +664,7 @@ def main(args: Args):
         row.update({"adv/tied_group_frac": n_zero / max(n_grp, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
+        row["perf/generated_tokens"] = C.global_sum([engine.generated - generated], d.device)[0]  # every role
         row.update(C.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

@@ -512,6 +512,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
+    taught = [s for s in samples if s.teacher_ids] if args.lambda_opd > 0 or teacher_old is not None else []
     current_teacher = args.lambda_opd > 0 and teacher_old is None  # l.22 runs the teacher in every micro-batch:
     widest = [s.teacher_ids or s.prompt_ids if current_teacher else s.prompt_ids for s in samples]  # pack by it
     sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
@@ -569,7 +570,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
                if args.distill == "opd" else {}),  # Skill-SD has no gate
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
-            **rlsd, **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d)}
+            **rlsd, **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
+            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d)}
 
 
 def load_library(path: str) -> list[dict]:
@@ -652,7 +654,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG
 
     for update in range(run.start, args.updates):
-        timer, t0 = C.Timer(), time.perf_counter()
+        timer, t0, generated = C.Timer(), time.perf_counter(), engine.generated
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.5: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
@@ -677,6 +679,7 @@ def main(args: Args):
                     "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
+        row["perf/generated_tokens"] = C.global_sum([engine.generated - generated], d.device)[0]  # every role
         row.update(C.validate(update, args, engine, policy, evals, d, timer, eval_context))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

@@ -294,9 +294,9 @@ def test_old_and_skill_logprobs_are_scored_once_before_any_step(d, tok, batch, i
     initial = checksum(C.load_model("tiny", 0))
     real_score, real_step, real_loss = C.score, C.clip_and_step, opid.opid_loss
 
-    def score(model, prompts, responses, micro_bs, device):
+    def score(model, prompts, responses, *a, **kw):
         events.append(("score", checksum(model), len(prompts)))
-        return real_score(model, prompts, responses, micro_bs, device)
+        return real_score(model, prompts, responses, *a, **kw)
 
     def step(model, optimizer, max_norm):
         events.append(("step",))
