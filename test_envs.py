@@ -655,3 +655,67 @@ def test_webshop_score_reaches_the_trajectory_and_the_metrics_through_collect():
     with one_rank() as d:
         row = C.rollout_metrics(trajs, d)
     assert row["charts/score"] == pytest.approx(3 / 5) and row["charts/success_rate"] == 0.0
+
+
+# ----------------------------------------------------------------------------- env worker pool (--env_workers)
+
+
+def _collect(make_env, ids, engine, n=2, steps_seed=0):
+    import torch
+    import common as C
+    torch.manual_seed(steps_seed)
+    trajs, stats = C.collect(engine, make_env, ids, n, 1024, 24, 1.0, 1.0)
+    return [(tr.task_id, tr.group, tr.task, tr.family, tr.first_observation, tr.won, tr.score,
+             [(t.prompt_text, t.prompt_ids, t.response_ids, t.action, t.valid, t.observation, t.reward)
+              for t in tr.turns]) for tr in trajs], stats
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    import torch
+    import common as C
+    return C.HFEngine(C.load_model("tiny", 0), C.load_tokenizer("tiny"), torch.device("cpu"))
+
+
+def test_env_pool_collects_the_same_household_trajectories_as_serial(tiny_engine):
+    """--env_workers: the same seeded rollouts (every prompt, sampled id, observation and reward) as in-process envs,
+    the envs dealt over 3 workers; a worker's exception reaches the trainer with its traceback."""
+    import common as C
+    make = lambda: envs.make_env("household", split="train", seed=0, max_steps=3)  # noqa: E731
+    ids = make().task_ids()[:3]
+    pool = C.EnvPool({"train": make, "bad": lambda: envs.make_env("household", split="train", max_steps=3)}, 3)
+    try:
+        serial, s_stats = _collect(make, ids, tiny_engine)
+        pooled, p_stats = _collect(pool.envs("train"), ids, tiny_engine)
+        assert pooled == serial and len(serial) == 6 and sum(len(t[-1]) for t in serial) == 18
+        assert p_stats.gen_tokens == s_stats.gen_tokens > 0 and p_stats.env_seconds > 0
+        with pytest.raises(RuntimeError, match="env worker 0 failed:(.|\n)*ValueError: invalid literal"):
+            pool.envs("bad").reset(["no-such-task"])
+        again, _ = _collect(pool.envs("train"), ids, tiny_engine)  # the pool still works after an error
+        assert again == serial
+    finally:
+        pool.close()
+
+
+@needs_alfworld_package
+@needs_alfworld_games
+def test_env_pool_collects_the_same_alfworld_trajectories_and_reuses_games(tiny_engine):
+    """Real games: 2 workers give the serial trajectories; a finished game's gym env is switched to the next game
+    (no new one: each would load another copy of fast-downward's library) and replays it exactly."""
+    import common as C
+    make = lambda: envs.make_env("alfworld", split="valid_seen", data_dir=str(ALFWORLD_DATA), max_steps=3)  # noqa
+    ids = make().task_ids()[:2]
+    serial, _ = _collect(make, ids, tiny_engine)
+    free = sum(map(len, envs._FREE_GAMES.values()))
+    assert free >= 4  # the 4 episodes' gym envs wait for the next games
+    again, _ = _collect(make, ids[::-1], tiny_engine)  # on envs that played the other game
+    assert sum(map(len, envs._FREE_GAMES.values())) == free  # none made
+    assert sorted(again, key=lambda t: t[0]) != [] and {t[0] for t in again} == set(ids)
+    replay, _ = _collect(make, ids, tiny_engine)
+    assert replay == serial
+    pool = C.EnvPool({"train": make}, 2)
+    try:
+        pooled, _ = _collect(pool.envs("train"), ids, tiny_engine)
+        assert pooled == serial
+    finally:
+        pool.close()

@@ -517,12 +517,18 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
     for k in ("train/grad_norm", "losses/task", "losses/ref", "losses/kl"):
         assert a.row[k] == pytest.approx(b.row[k], rel=1e-5, abs=1e-6), k  # float32 sums in another order
     assert max((b.params[k] - c.params[k]).abs().max().item() for k in a.params) > 1e-5  # modulation ≫ tolerance
+    # length-aware micro-batches of ≤ 1500 padded tokens (1-2 turns each) against fixed ones of 8 turns
+    f = cached_update(d, tok, batch, **{**MAIN, "micro_batch": 8, "micro_batch_tokens": 0})
+    t = cached_update(d, tok, batch, **{**MAIN, "micro_batch_tokens": 1500})
+    assert max((f.params[k] - t.params[k]).abs().max().item() for k in f.params) < 1e-6
+    assert max((a.params[k] - t.params[k]).abs().max().item() for k in a.params) < 1e-6
+    assert t.row["perf/padding_frac"] < 0.02 < f.row["perf/padding_frac"]
 
 
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     """Each of 2 FSDP ranks holds one group and runs micro-batches of 1 (unequal chunk counts, so padding chunks);
     the step equals the 1-process step on the whole batch in one micro-batch."""
-    single = cached_update(d, tok, batch, **MAIN)
+    single = cached_update(d, tok, batch, **{**MAIN, "micro_batch_tokens": 0})  # fixed micro-batches
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "test_grsd.py"), str(tmp_path / "two.pt")]
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=300)
@@ -839,8 +845,8 @@ def test_grsd_runs_real_benchmark_episodes(env_name, data, tmp_path):
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update
     dist_ = C.init_distributed(seed=0)
     tok_ = C.load_tokenizer("tiny")
-    # micro_batch 1: the ranks run different numbers of real chunks, so the shorter one runs padding chunks
-    out_ = run_update(dist_, tok_, grsd_batch(tok_), **{**MAIN, "micro_batch": 1})
+    # micro-batches of ≤ 1500 padded tokens: the ranks run different numbers of real chunks (padding chunks)
+    out_ = run_update(dist_, tok_, grsd_batch(tok_), **{**MAIN, "micro_batch_tokens": 1500})
     if dist_.main:
         torch.save({"row": out_.row, "params": out_.params}, sys.argv[1])
     C.shutdown()

@@ -182,6 +182,33 @@ def test_left_padded_scoring_matches_unpadded_forward():
         assert torch.allclose(logp[i, :len(r)], ref, atol=1e-5)
 
 
+def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_padding():
+    """Right-aligned rows: a long prompt with a short response and a short prompt with a long response pad to
+    max(len p + len r) = 8, not max len p + max len r = 11; the log-probs still equal lone unpadded forwards."""
+    model = C.load_model("tiny", 0)
+    prompts, responses = [[5, 6, 7, 8, 9, 10, 11], [10, 11]], [[12], [15, 16, 17, 18, 19]]
+    C.FORWARD_TOKENS[:] = [0, 0]
+    logp, mask = C.sequence_logprobs(model, prompts, responses, "cpu")
+    assert C.FORWARD_TOKENS == [15, 16] and mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        with torch.no_grad():
+            lg = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float().log_softmax(-1)
+        assert torch.allclose(logp[i, :len(r)], lg.gather(-1, torch.tensor(r)[:, None]).squeeze(-1), atol=1e-5)
+    C.FORWARD_TOKENS[:] = [0, 0]
+
+
+def test_length_aware_micro_batches_by_hand():
+    """Longest first; a micro-batch grows while rows × (longest prompt + longest response) ≤ the budget and it has
+    ≤ rows rows. Lengths (p, r): 0 (5, 1), 1 (3, 4), 2 (8, 2), 3 (2, 1). Budget 20: [2] (10), then [1] (7) + 0 →
+    2 × (5 + 4) = 18, + 3 → 3 × 9 = 27 > 20: [3]. 0 = fixed chunks of `rows` in the given order."""
+    P, R = [[0] * 5, [0] * 3, [0] * 8, [0] * 2], [[0], [0] * 4, [0] * 2, [0]]
+    assert C.micro_batches([0, 1, 2, 3], P, R, rows=3, max_tokens=20) == [[2], [1, 0], [3]]
+    assert C.micro_batches([0, 1, 2, 3], P, R, rows=1, max_tokens=100) == [[2], [1], [0], [3]]
+    assert C.micro_batches([0, 1, 2, 3], P, R, rows=4, max_tokens=100) == [[2, 1, 0, 3]]
+    assert C.micro_batches([3, 0, 1, 2], P, R, rows=3, max_tokens=0) == [[3, 0, 1], [2]]
+    assert C.micro_batches([0, 2], P, R, rows=3, max_tokens=5) == [[2], [0]]  # over the budget: alone
+
+
 # ---------------------------------------------------------------------------------------------- OPID §3.4
 
 def test_opid_episode_advantages_by_hand_no_epsilon_and_ties_zero():

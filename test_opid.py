@@ -341,13 +341,20 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
     assert ra["train/grad_norm"] == pytest.approx(rb["train/grad_norm"], rel=1e-5)  # before clipping
     assert ra["losses/pg"] == pytest.approx(rb["losses/pg"], abs=1e-6)
     assert max((b[k] - c[k]).abs().max().item() for k in a) > 1e-5  # the skill term is well above that tolerance
+    # length-aware micro-batches of ≤ 1500 padded tokens (1-2 turns each) against fixed ones of 8 turns
+    rf, f, _, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.5, micro_batch=8, micro_batch_tokens=0)
+    rt, t, _, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.5, micro_batch_tokens=1500)
+    assert max((f[k] - t[k]).abs().max().item() for k in f) < 1e-6
+    assert max((a[k] - t[k]).abs().max().item() for k in a) < 1e-6
+    assert rt["perf/padding_frac"] < 0.02 < rf["perf/padding_frac"]
 
 
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     """Each of 2 FSDP ranks holds one group and runs micro-batches of 5 (unequal counts: padding chunks); the step
     equals the 1-process step on the whole batch in one micro-batch. (With several mini-batches the split of turns
     into mini-batches depends on the number of ranks, by design, so this holds for one mini-batch.)"""
-    row, single, _, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.5, micro_batch=64)
+    row, single, _, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.5, micro_batch=64,
+                                      micro_batch_tokens=0)  # fixed micro-batches
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "test_opid.py"), str(tmp_path / "two.pt")]
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=300)
@@ -853,7 +860,8 @@ if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_singl
     dist_ = C.init_distributed(seed=0)
     tok_ = C.load_tokenizer("tiny")
     # micro_batch 5: each rank runs several real chunks and, where it has fewer, zero-weighted padding chunks
-    row_, params_, _, _ = run_update(dist_, tok_, *opid_batch(tok_), sgd=True, lambda_skill=0.5, micro_batch=5)
+    row_, params_, _, _ = run_update(dist_, tok_, *opid_batch(tok_), sgd=True, lambda_skill=0.5, micro_batch=5,
+                                     micro_batch_tokens=1500)
     if dist_.main:
         torch.save({"row": row_, "params": params_}, sys.argv[1])
     C.shutdown()

@@ -350,3 +350,26 @@ def test_a_tracker_without_its_package_is_named(tracker, tmp_path):
         pytest.skip(f"{tracker} is installed here")
     with pytest.raises(SystemExit, match=f"--track {tracker} needs the {tracker} package: pip install {tracker}"):
         opid.resolve(opid.Args(out_dir=str(tmp_path), track=tracker))
+
+
+def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
+    """python bench.py --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
+    over HTTP as OPID's analyzer (so OPID's teacher scores tokens), the table and bench.json (CI, ≤ 2 minutes)."""
+    out = tmp_path / "bench"
+    res = subprocess.run([sys.executable, str(HERE / "bench.py"), "--smoke", "--out", str(out)], cwd=HERE,
+                         env=env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    info = json.loads((out / "bench.json").read_text())
+    m = info["methods"]
+    assert m["grpo"]["x_grpo"] == 1.0 and all(m[k]["s_per_update"] > 0 for k in ("grpo", "seed", "opid", "grsd"))
+    rows = {k: [json.loads(x) for x in (out / k / "metrics.jsonl").read_text().splitlines()] for k in m}
+    assert all(len(r) == 1 and r[0]["update"] == 0 for r in rows.values())  # one alternated round
+    assert rows["opid"][0]["analyzer/parsed_frac"] == 1 and m["opid"]["teacher_tokens"] == \
+        rows["opid"][0]["perf/teacher_tokens"] > 0 and m["opid"]["teacher_s"] > 0
+    assert rows["grpo"][0]["perf/teacher_tokens"] == 0 and rows["grpo"][0]["losses/opd"] == 0
+    for k in ("seed", "grsd"):  # the policy as analyzer / reflector: tokens generated outside rollouts, priced
+        assert m[k]["extra_gen_tokens"] == rows[k][0]["perf/generated_tokens"] - rows[k][0][
+            "perf/rollout_gen_tokens"] > 0 and m[k]["generate_s"] > 0
+    assert info["oracle"]["requests/seed"] > 0 and info["oracle"]["requests/opid"] == 2  # stage 1; 2 trajectories
+    table = (out / "bench.md").read_text()
+    assert table.startswith("| method | updates |") and "| opid | 1 |" in table

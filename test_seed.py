@@ -229,6 +229,12 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
     _, c, _, _ = run_update(d, tok, batch, sgd=True, micro_batch=64, lambda_opd=0.0)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
     assert max((b[k] - c[k]).abs().max().item() for k in a) > 1e-5  # the OPD term is well above that tolerance
+    # length-aware micro-batches of ≤ 1500 padded tokens (1-2 turns each) against fixed ones of 8 turns
+    rf, f, _, _ = run_update(d, tok, batch, sgd=True, micro_batch=8, micro_batch_tokens=0)
+    rt, t, _, _ = run_update(d, tok, batch, sgd=True, micro_batch=64, micro_batch_tokens=1500)
+    assert max((f[k] - t[k]).abs().max().item() for k in f) < 1e-6
+    assert max((a[k] - t[k]).abs().max().item() for k in a) < 1e-6
+    assert rt["perf/padding_frac"] < 0.02 < rf["perf/padding_frac"]
 
 
 def test_sft_stage_learns_to_write_skills(d, tok, batch):
@@ -401,7 +407,7 @@ def test_seed_end_to_end_torchrun_two_ranks_one_idle(tmp_path):
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     """Each of 2 FSDP ranks holds one group; the loss is normalised by the global token count and scaled by the
     world size, so the step equals the 1-process step on the whole batch (DESIGN.md §4)."""
-    row, single, _, _ = run_update(d, tok, batch, sgd=True)
+    row, single, _, _ = run_update(d, tok, batch, sgd=True, micro_batch_tokens=0)  # fixed micro-batches
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "test_seed.py"), str(tmp_path / "two.pt")]
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=600)
@@ -443,7 +449,7 @@ def free_port():
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update
     dist_ = C.init_distributed(seed=0)
     tok_ = C.load_tokenizer("tiny")
-    row_, params_, _, _ = run_update(dist_, tok_, expert_batch(tok_), sgd=True)
+    row_, params_, _, _ = run_update(dist_, tok_, expert_batch(tok_), sgd=True, micro_batch_tokens=1500)
     if dist_.main:
         torch.save({"row": row_, "params": params_}, sys.argv[1])
     C.shutdown()

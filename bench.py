@@ -1,0 +1,207 @@
+"""Cost of SEED, OPID and GRSD against GRPO, measured in one invocation (GRSD Table 6 reports s/update ratios).
+
+  python bench.py                                                  # household, offline tiny model, 3 rounds
+  python bench.py --env alfworld --data_dir ../shared/data/alfworld --env_workers 2
+  python bench.py --smoke                                          # 1 round, tiny settings (what CI runs)
+
+1. An endpoint: experiment.py's oracle, an OpenAI-compatible HTTP server on localhost, plays SEED's stage-1
+   annotator, OPID's analyzer and GRSD's judge (on ALFWorld it cannot replay the game and answers from the task line:
+   still well-formed, so OPID's teacher and GRSD's judge still run).
+2. A shared start: SEED's own stage 1 (seed.py: the policy's rollouts annotated by the oracle, hindsight-skill SFT)
+   gives θ_sft. Every method starts from it, so all four see the same weights, tokenizer and reference policy, and
+   SEED's stage-2 analyzer writes skills that parse (a random policy's never do).
+3. Rounds: in each round every method runs one more update (seed.py / opid.py / grsd.py, --resume; the order is
+   rotated from round to round), with the same env, seed, tasks, lengths and micro-batching. GRPO is seed.py
+   --skip_sft --lambda_opd 0; SEED is seed.py --skip_sft from θ_sft (stage 2, Alg. 1); OPID and GRSD use the oracle.
+4. Report (from each run's metrics.jsonl; save and eval excluded): seconds per update by phase, × GRPO, the rollout
+   split into generation and environment, padding, and each method's unavoidable extra work priced at GRPO's
+   throughput measured in the same invocation:
+       teacher   perf/teacher_tokens / (1 − GRPO padding) × GRPO's scoring seconds per computed token
+       generate  (perf/generated_tokens − perf/rollout_gen_tokens) × GRPO's rollout seconds per generated token
+       endpoint  the seconds of the phases that wait on the endpoint (OPID analysis, GRSD judge)
+   and extra / unavoidable, where extra = the method's seconds per update − GRPO's.
+
+Deviations / choices:
+  * The policies are small and untrained (the tiny model after stage 1 on a few tasks): no rollout wins, so GRSD's
+    groups are never mixed and its guidance and teacher do not run here, and its reflections rarely parse (then the
+    judge is not asked). The table reports what each method did (teacher tokens, generated tokens) next to its time.
+  * The endpoint runs in this process (a thread) and shares the CPU with the runs.
+  * Each update runs in a fresh process (--resume is bit-exact, test_runs.py): process start and model loading are
+    outside time/total; the first update of a process may carry some warm-up, alike for every method.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import experiment
+
+METHODS = ("grpo", "seed", "opid", "grsd")
+PHASES = ("sync", "rollout", "analysis", "reflection", "judge", "guidance", "scoring", "teacher", "update")
+ENDPOINT_PHASES = {"opid": "analysis", "grsd": "judge"}
+
+
+def settings(a) -> dict:
+    """What every run shares (the tiny-model counterpart of Table 5; the paper's lr, KL and coefficients)."""
+    return dict(env=a.env, env_rules="verl_agent", seed=0, tasks_per_update=a.tasks, group_size=a.group,
+                max_steps=a.max_steps, max_prompt_len=1024, max_response_len=48, micro_batch=16, minibatch_turns=256,
+                eval_every=0, save_every=1, engine="hf", env_workers=a.env_workers,
+                **({"data_dir": a.data_dir} if a.data_dir else {}))
+
+
+def method_flags(method: str, url: str) -> tuple[str, dict, list[str]]:
+    """(script, the method's own flags, switches)."""
+    return {
+        "grpo": ("seed.py", {"lambda_opd": 0}, ["--skip_sft"]),
+        "seed": ("seed.py", {"annotator_max_tokens": 48}, ["--skip_sft"]),
+        "opid": ("opid.py", {"analyzer_url": url, "analyzer_model": "oracle", "analyzer_max_tokens": 256}, []),
+        "grsd": ("grsd.py", {"judge_url": url, "judge_model": "oracle", "reflection_max_tokens": 48,
+                             "reflection_prompt_len": 2048, "guidance_max_tokens": 256}, []),
+    }[method]
+
+
+def argv(script: str, flags: dict, switches: list[str]) -> list[str]:
+    return [sys.executable, script] + [x for k, v in flags.items() for x in (f"--{k}", str(v))] + switches
+
+
+def run(cmd: list[str], log: str, threads: int) -> float:
+    """One script run, its output to `log`; stops the benchmark on failure. Returns its wall seconds."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    t0 = time.time()
+    with open(log, "a") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).returncode
+    if rc != 0:
+        with open(log) as f:
+            raise SystemExit(f"[bench] {' '.join(cmd[1:3])} failed (exit {rc}); {log} ends:\n{f.read()[-3000:]}")
+    return time.time() - t0
+
+
+def update_rows(run_dir: str) -> list[dict]:
+    return [r for r in experiment.read_rows(run_dir) if "update" in r]
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)
+
+
+def per_update(rows: list[dict]) -> float:
+    """Seconds per update without checkpointing (every bench run saves every update, to resume)."""
+    return mean(rows, "time/total") - mean(rows, "time/save")
+
+
+def price(method: str, rows: list[dict], grpo: list[dict]) -> dict:
+    """The method's unavoidable extra seconds per update at GRPO's measured throughput (module docstring)."""
+    score_s = mean(grpo, "time/scoring") / max(mean(grpo, "perf/forward_tokens") * 2 / 3, 1)  # ℓ_old, ℓ_ref of 3
+    gen_s = mean(grpo, "perf/rollout_gen_seconds") / max(mean(grpo, "perf/rollout_gen_tokens"), 1)
+    teacher = mean(rows, "perf/teacher_tokens") / max(1 - mean(grpo, "perf/padding_frac"), 1e-6) * score_s
+    extra_gen = mean(rows, "perf/generated_tokens") - mean(rows, "perf/rollout_gen_tokens")
+    endpoint = mean(rows, f"time/{ENDPOINT_PHASES[method]}") if method in ENDPOINT_PHASES else 0.0
+    return {"teacher_s": teacher, "generate_s": extra_gen * gen_s, "endpoint_s": endpoint,
+            "unavoidable_s": teacher + extra_gen * gen_s + endpoint, "teacher_tokens": mean(rows, "perf/teacher_tokens"),
+            "extra_gen_tokens": extra_gen}
+
+
+def report(out: str) -> tuple[str, dict]:
+    rows = {m: update_rows(os.path.join(out, m)) for m in METHODS}
+    base = per_update(rows["grpo"])
+    phases = [p for p in PHASES if any(f"time/{p}" in r for rs in rows.values() for r in rs)]
+    head = ["method", "updates"] + [f"{p}" for p in phases] + ["rollout gen / env", "padding", "s/update",
+                                                                 "× GRPO", "extra s", "unavoidable s", "extra / unavoidable"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    summary = {}
+    for m in METHODS:
+        rs = rows[m]
+        total = per_update(rs)
+        cells = [m, str(len(rs))] + [f"{mean(rs, f'time/{p}'):.2f}" if any(f"time/{p}" in r for r in rs) else "–"
+                                     for p in phases]
+        cells += [f"{mean(rs, 'perf/rollout_gen_seconds'):.2f} / {mean(rs, 'perf/rollout_env_seconds'):.2f}",
+                  f"{mean(rs, 'perf/padding_frac'):.1%}", f"{total:.2f}", f"{total / base:.2f}×"]
+        summary[m] = {"s_per_update": total, "x_grpo": total / base}
+        if m == "grpo":
+            cells += ["–", "–", "–"]
+        else:
+            p = price(m, rs, rows["grpo"])
+            extra = total - base
+            summary[m].update(p, extra_s=extra, extra_over_unavoidable=extra / p["unavoidable_s"]
+                              if p["unavoidable_s"] > 0 else None)
+            ratio = f"{extra / p['unavoidable_s']:.2f}" if p["unavoidable_s"] > 0 else "–"
+            cells += [f"{extra:.2f}", f"{p['unavoidable_s']:.2f} (teacher {p['teacher_s']:.2f}, generate "
+                      f"{p['generate_s']:.2f}, endpoint {p['endpoint_s']:.2f})", ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    work = ["", "| method | teacher tokens / update | tokens generated outside rollouts / update | signal |",
+            "|---|---|---|---|"]
+    signal = {"grpo": "–", "seed": "skills/valid_rate", "opid": "analyzer/parsed_frac",
+              "grsd": "guidance/active_groups"}
+    for m in METHODS:
+        rs = rows[m]
+        key = signal[m]
+        sig = f"{key} {mean(rs, key):.2f}" if key != "–" else "–"
+        if m == "grsd":
+            sig += f", reflection/valid_rate {mean(rs, 'reflection/valid_rate'):.2f}"
+        work.append(f"| {m} | {mean(rs, 'perf/teacher_tokens'):.0f} | "
+                    f"{mean(rs, 'perf/generated_tokens') - mean(rs, 'perf/rollout_gen_tokens'):.0f} | {sig} |")
+    return "\n".join(lines + work), summary
+
+
+def main(argv_=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env", default="household", choices=("household", "alfworld", "webshop", "search"))
+    p.add_argument("--data_dir", default=None, help="benchmark data (alfworld, webshop, search)")
+    p.add_argument("--out", default="runs/bench", help="bench folder [default: runs/bench]")
+    p.add_argument("--rounds", type=int, default=3, help="updates per method, alternated [default: 3]")
+    p.add_argument("--tasks", type=int, default=4, help="tasks per update [default: 4]")
+    p.add_argument("--group", type=int, default=4, help="rollouts per task [default: 4]")
+    p.add_argument("--max_steps", type=int, default=6, help="episode step limit [default: 6]")
+    p.add_argument("--env_workers", type=int, default=0, help="env worker processes per run [default: 0]")
+    p.add_argument("--sft_epochs", type=int, default=30, help="SEED stage-1 SFT epochs of the shared start "
+                   "[default: 30: the tiny model then writes skills that parse]")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per run [default: 2]")
+    p.add_argument("--smoke", action="store_true", help="1 round, 2 tasks x 2 rollouts, 3 steps, 2 SFT epochs")
+    a = p.parse_args(argv_)
+    if a.smoke:
+        a.rounds, a.tasks, a.group, a.max_steps, a.sft_epochs = 1, 2, 2, 3, 2
+    os.makedirs(a.out, exist_ok=True)
+    oracle = experiment.Oracle((0,))
+    server = experiment.serve_oracle(oracle)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    shared = settings(a)
+    start = os.path.join(a.out, "start")
+    t0 = time.time()
+    # 2. the shared start: SEED's stage 1 (its one update is not part of the comparison)
+    sft = dict(shared, model="tiny", out_dir=start, updates=1, annotator_url=url, annotator_model="oracle",
+               annotator_max_tokens=48, sft_tasks=2 * a.tasks, sft_rollouts=a.group, sft_lr=3e-3,
+               sft_epochs=a.sft_epochs, sft_batch=8)
+    secs = run(argv("seed.py", sft, ["--overwrite"]), os.path.join(a.out, "start.log"), a.threads)
+    print(f"[bench] shared start (SEED stage 1) in {secs:.0f} s: {start}/stage1", flush=True)
+    model = os.path.join(start, "stage1")
+    # 3. rounds: every method one more update, the order rotated
+    for r in range(a.rounds):
+        for k in range(len(METHODS)):
+            m = METHODS[(r + k) % len(METHODS)]
+            script, own, switches = method_flags(m, url)
+            flags = dict(shared, **own, model=model, out_dir=os.path.join(a.out, m), updates=r + 1)
+            secs = run(argv(script, flags, switches + (["--resume"] if r else ["--overwrite"])),
+                       os.path.join(a.out, f"{m}.log"), a.threads)
+            print(f"[bench] round {r + 1}/{a.rounds} {m}: {secs:.0f} s (process)", flush=True)
+    server.shutdown()
+    text, summary = report(a.out)
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(a.out, "bench.json"), "w") as f:
+        json.dump({"settings": shared, "rounds": a.rounds, "threads": a.threads, "oracle": oracle.stats,
+                   "wall_s": time.time() - t0, "methods": summary}, f, indent=1)
+    print(text)
+    print(f"[bench] {time.time() - t0:.0f} s; oracle {dict(sorted(oracle.stats.items()))}; wrote {a.out}/bench.md, "
+          f"bench.json")
+
+
+if __name__ == "__main__":
+    main()
