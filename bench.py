@@ -57,7 +57,7 @@ def method_flags(method: str, url: str) -> tuple[str, dict, list[str]]:
     """(script, the method's own flags, switches)."""
     return {
         "grpo": ("seed.py", {"lambda_opd": 0}, ["--skip_sft"]),
-        "seed": ("seed.py", {"annotator_max_tokens": 128}, ["--skip_sft"]),  # the oracle's skills: 40-90 tokens
+        "seed": ("seed.py", {"annotator_max_tokens": 128}, ["--skip_sft"]),  # the oracle-taught skills: 78-85 tokens
         "opid": ("opid.py", {"analyzer_url": url, "analyzer_model": "oracle", "analyzer_max_tokens": 256}, []),
         "grsd": ("grsd.py", {"judge_url": url, "judge_model": "oracle", "reflection_max_tokens": 48,
                              "reflection_prompt_len": 2048, "guidance_max_tokens": 256}, []),
