@@ -2,7 +2,8 @@
 
 Read top to bottom, this file is the life of one GRPO-style update without the method-specific part:
   distributed setup -> model/tokenizer (incl. an offline `tiny` model) -> FSDP2 sharding -> rollout engine
-  (weights synced from the FSDP model) -> multi-turn collection in an environment -> log-prob scoring
+  (weights synced from the FSDP model) -> multi-turn collection in an environment (in this process, or in an
+  EnvPool of worker processes: --env_workers) -> log-prob scoring (length-aware micro-batches: micro_batches)
   -> RL primitives (masked mean, clipped surrogate, k3 KL) -> mini-batch bookkeeping across ranks
   -> the run directory (resumable checkpoints, metrics rows, tracker, eval-only) -> an OpenAI-compatible chat
   client for external annotators -> validation; `python common.py plot|compare RUN_DIR...` at the bottom.
