@@ -100,7 +100,7 @@ def per_update(rows: list[dict]) -> float:
 def price(method: str, rows: list[dict], grpo: list[dict]) -> dict:
     """The method's unavoidable extra seconds per update at GRPO's measured throughput (module docstring)."""
     score_s = mean(grpo, "time/scoring") / max(mean(grpo, "perf/forward_tokens") * 2 / 3, 1)  # ℓ_old, ℓ_ref of 3
-    gen_s = mean(grpo, "perf/rollout_gen_seconds") / max(mean(grpo, "perf/rollout_gen_tokens"), 1)
+    gen_s = mean(grpo, "time/rollout_generation") / max(mean(grpo, "perf/rollout_gen_tokens"), 1)
     teacher = mean(rows, "perf/teacher_tokens") / max(1 - mean(grpo, "perf/padding_frac"), 1e-6) * score_s
     extra_gen = mean(rows, "perf/generated_tokens") - mean(rows, "perf/rollout_gen_tokens")
     endpoint = mean(rows, f"time/{ENDPOINT_PHASES[method]}") if method in ENDPOINT_PHASES else 0.0
@@ -122,7 +122,7 @@ def report(out: str) -> tuple[str, dict]:
         total = per_update(rs)
         cells = [m, str(len(rs))] + [f"{mean(rs, f'time/{p}'):.2f}" if any(f"time/{p}" in r for r in rs) else "–"
                                      for p in phases]
-        cells += [f"{mean(rs, 'perf/rollout_gen_seconds'):.2f} / {mean(rs, 'perf/rollout_env_seconds'):.2f}",
+        cells += [f"{mean(rs, 'time/rollout_generation'):.2f} / {mean(rs, 'time/rollout_env'):.2f}",
                   f"{mean(rs, 'perf/padding_frac'):.1%}", f"{total:.2f}", f"{total / base:.2f}×"]
         summary[m] = {"s_per_update": total, "x_grpo": total / base}
         if m == "grpo":

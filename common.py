@@ -523,7 +523,7 @@ class CollectStats:
         seconds = global_sum([self.gen_seconds, self.env_seconds, self.gen_tokens], d.device)
         return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
                 "search/retrieval_failures": s[3], "search/bad_replies": s[4],
-                "perf/rollout_gen_seconds": seconds[0] / d.world, "perf/rollout_env_seconds": seconds[1] / d.world,
+                "time/rollout_generation": seconds[0] / d.world, "time/rollout_env": seconds[1] / d.world,
                 "perf/rollout_gen_tokens": seconds[2]}
 
 
