@@ -374,6 +374,7 @@ def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
     for k in ("seed", "grsd"):  # the policy as analyzer / reflector: tokens generated outside rollouts, priced
         assert m[k]["extra_gen_tokens"] == rows[k][0]["perf/generated_tokens"] - rows[k][0][
             "perf/rollout_gen_tokens"] > 0 and m[k]["generate_s"] > 0
-    assert info["oracle"]["requests/seed"] > 0 and info["oracle"]["requests/opid"] == 2  # stage 1; 2 trajectories
+    assert info["oracle"]["requests/seed"] > 0 and info["oracle"]["requests/opid"] == 4 == rows["opid"][0][
+        "endpoint/analyzer/requests"]  # stage 1; OPID: one request per trajectory (2 tasks x 2 rollouts)
     table = (out / "bench.md").read_text()
     assert table.startswith("| method | updates |") and "| opid | 1 |" in table
