@@ -16,11 +16,15 @@
    --skip_sft --lambda_opd 0; SEED is seed.py --skip_sft from θ_sft (stage 2, Alg. 1); OPID and GRSD use the oracle.
 4. Report (from each run's metrics.jsonl; save and eval excluded): seconds per update by phase, × GRPO, the rollout
    split into generation and environment, padding, and each method's unavoidable extra work priced at GRPO's
-   throughput measured in the same invocation:
-       teacher   perf/teacher_tokens / (1 − GRPO padding) × GRPO's scoring seconds per computed token
-       generate  (perf/generated_tokens − perf/rollout_gen_tokens) × GRPO's rollout seconds per generated token
+   throughput measured in the same invocation (GRPO's rates, seconds per real token: a no-grad forward = its
+   scoring time over its ℓ_old and ℓ_ref passes; a training forward + backward = its update time over one pass; a
+   decode step = its rollout generation time, less its prompts' prefill priced as no-grad forward, per token):
+       scored    perf/teacher_tokens × forward  +  perf/reflection_tokens (GRSD, Eq. 14) × (forward + training)
+       generate  prompt tokens read outside rollouts (the analysis / reflection prompts: prefill) × forward
+                 + tokens generated outside rollouts × decode
        endpoint  the seconds of the phases that wait on the endpoint (OPID analysis, GRSD judge)
-   and extra / unavoidable, where extra = the method's seconds per update − GRPO's.
+   and extra / unavoidable, where extra = the method's seconds per update − GRPO's (± its standard deviation over
+   the rounds, paired by round: the run-to-run noise).
 
 Deviations / choices:
   * The policies are small and untrained (the tiny model after stage 1 on a few tasks): no rollout wins, so GRSD's
@@ -97,16 +101,38 @@ def per_update(rows: list[dict]) -> float:
     return mean(rows, "time/total") - mean(rows, "time/save")
 
 
+def rates(grpo: list[dict]) -> dict:
+    """GRPO's measured seconds per real token (module docstring): a no-grad forward (scoring: ℓ_old and ℓ_ref are two
+    of its three equal passes), a training forward + backward (the third), and one decode step of generation, which
+    is the rollout's generation time less its prompts' prefill priced as a no-grad forward."""
+    real = max(1 - mean(grpo, "perf/padding_frac"), 1e-6)
+    per_pass = max(mean(grpo, "perf/forward_tokens") / 3, 1) * real
+    score = mean(grpo, "time/scoring") / (2 * per_pass)
+    prefill = mean(grpo, "perf/rollout_prompt_tokens") * score
+    decode = max(mean(grpo, "time/rollout_generation") - prefill, 0.0) / max(mean(grpo, "perf/rollout_gen_tokens"), 1)
+    return {"score": score, "train": mean(grpo, "time/update") / per_pass, "decode": decode}
+
+
 def price(method: str, rows: list[dict], grpo: list[dict]) -> dict:
     """The method's unavoidable extra seconds per update at GRPO's measured throughput (module docstring)."""
-    score_s = mean(grpo, "time/scoring") / max(mean(grpo, "perf/forward_tokens") * 2 / 3, 1)  # ℓ_old, ℓ_ref of 3
-    gen_s = mean(grpo, "time/rollout_generation") / max(mean(grpo, "perf/rollout_gen_tokens"), 1)
-    teacher = mean(rows, "perf/teacher_tokens") / max(1 - mean(grpo, "perf/padding_frac"), 1e-6) * score_s
+    r = rates(grpo)
+    teacher_tok, refl_tok = mean(rows, "perf/teacher_tokens"), mean(rows, "perf/reflection_tokens")
     extra_gen = mean(rows, "perf/generated_tokens") - mean(rows, "perf/rollout_gen_tokens")
+    extra_read = mean(rows, "perf/prompt_tokens") - mean(rows, "perf/rollout_prompt_tokens")
+    teacher = teacher_tok * r["score"] + refl_tok * (r["score"] + r["train"])
+    generate = extra_read * r["score"] + extra_gen * r["decode"]
     endpoint = mean(rows, f"time/{ENDPOINT_PHASES[method]}") if method in ENDPOINT_PHASES else 0.0
-    return {"teacher_s": teacher, "generate_s": extra_gen * gen_s, "endpoint_s": endpoint,
-            "unavoidable_s": teacher + extra_gen * gen_s + endpoint, "teacher_tokens": mean(rows, "perf/teacher_tokens"),
-            "extra_gen_tokens": extra_gen}
+    return {"teacher_s": teacher, "generate_s": generate, "endpoint_s": endpoint,
+            "unavoidable_s": teacher + generate + endpoint, "teacher_tokens": teacher_tok,
+            "reflection_tokens": refl_tok, "extra_gen_tokens": extra_gen, "extra_prompt_tokens": extra_read}
+
+
+def paired_spread(rows: list[dict], grpo: list[dict]) -> float:
+    """Standard deviation over rounds of (the method's s/update − GRPO's) in the same round: the run-to-run noise."""
+    diffs = [(a["time/total"] - a.get("time/save", 0)) - (b["time/total"] - b.get("time/save", 0))
+             for a, b in zip(rows, grpo)]
+    m = sum(diffs) / max(len(diffs), 1)
+    return (sum((x - m) ** 2 for x in diffs) / (len(diffs) - 1)) ** 0.5 if len(diffs) > 1 else 0.0
 
 
 def report(out: str) -> tuple[str, dict]:
@@ -114,7 +140,7 @@ def report(out: str) -> tuple[str, dict]:
     base = per_update(rows["grpo"])
     phases = [p for p in PHASES if any(f"time/{p}" in r for rs in rows.values() for r in rs)]
     head = ["method", "updates"] + [f"{p}" for p in phases] + ["rollout gen / env", "padding", "s/update",
-                                                                 "× GRPO", "extra s", "unavoidable s", "extra / unavoidable"]
+                                                                 "× GRPO", "extra s (± sd)", "unavoidable s", "extra / unavoidable"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     summary = {}
     for m in METHODS:
@@ -129,15 +155,18 @@ def report(out: str) -> tuple[str, dict]:
             cells += ["–", "–", "–"]
         else:
             p = price(m, rs, rows["grpo"])
-            extra = total - base
-            summary[m].update(p, extra_s=extra, extra_over_unavoidable=extra / p["unavoidable_s"]
+            extra, spread = total - base, paired_spread(rs, rows["grpo"])
+            summary[m].update(p, extra_s=extra, extra_sd=spread, extra_over_unavoidable=extra / p["unavoidable_s"]
                               if p["unavoidable_s"] > 0 else None)
             ratio = f"{extra / p['unavoidable_s']:.2f}" if p["unavoidable_s"] > 0 else "–"
-            cells += [f"{extra:.2f}", f"{p['unavoidable_s']:.2f} (teacher {p['teacher_s']:.2f}, generate "
-                      f"{p['generate_s']:.2f}, endpoint {p['endpoint_s']:.2f})", ratio]
+            cells += [f"{extra:.2f} ± {spread:.2f}", f"{p['unavoidable_s']:.2f} (scored {p['teacher_s']:.2f}, "
+                      f"generate {p['generate_s']:.2f}, endpoint {p['endpoint_s']:.2f})", ratio]
         lines.append("| " + " | ".join(cells) + " |")
-    work = ["", "| method | teacher tokens / update | tokens generated outside rollouts / update | signal |",
-            "|---|---|---|---|"]
+    r = rates(rows["grpo"])
+    work = ["", f"GRPO's rates, ms per token: no-grad forward {1e3 * r['score']:.4f}, training forward + backward "
+            f"{1e3 * r['train']:.4f}, decode {1e3 * r['decode']:.3f}", "",
+            "| method | teacher tokens | reflection tokens (scored + trained) | prompt tokens read outside rollouts | "
+            "tokens generated outside rollouts | signal |", "|---|---|---|---|---|---|"]
     signal = {"grpo": "–", "seed": "skills/valid_rate", "opid": "analyzer/parsed_frac",
               "grsd": "guidance/active_groups"}
     for m in METHODS:
@@ -146,7 +175,8 @@ def report(out: str) -> tuple[str, dict]:
         sig = f"{key} {mean(rs, key):.2f}" if key != "–" else "–"
         if m == "grsd":
             sig += f", reflection/valid_rate {mean(rs, 'reflection/valid_rate'):.2f}"
-        work.append(f"| {m} | {mean(rs, 'perf/teacher_tokens'):.0f} | "
+        work.append(f"| {m} | {mean(rs, 'perf/teacher_tokens'):.0f} | {mean(rs, 'perf/reflection_tokens'):.0f} | "
+                    f"{mean(rs, 'perf/prompt_tokens') - mean(rs, 'perf/rollout_prompt_tokens'):.0f} | "
                     f"{mean(rs, 'perf/generated_tokens') - mean(rs, 'perf/rollout_gen_tokens'):.0f} | {sig} |")
     return "\n".join(lines + work), summary
 

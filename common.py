@@ -259,7 +259,7 @@ class HFEngine:
         self.model = model.to(device).eval().requires_grad_(False)
         self.tok, self.device, self.gen_batch = tok, device, gen_batch
         self.stops = stop_token_ids(tok)
-        self.generated = 0  # tokens sampled so far, in every role (the methods log it per update)
+        self.generated = self.prompted = 0  # tokens sampled / prompt tokens read so far, every role (logged per update)
 
     @torch.no_grad()
     def sync(self, fsdp_model):
@@ -285,6 +285,7 @@ class HFEngine:
                 cut = next((j + 1 for j, t in enumerate(row) if t in self.stops), len(row))
                 out.append(row[:cut])
         self.generated += sum(map(len, out))
+        self.prompted += sum(map(len, prompts))
         return out
 
     def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
@@ -331,7 +332,8 @@ class VLLMEngine(HFEngine):
         import tempfile
         from vllm import LLM
         self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
-        self.gpu, self.asleep, self._dir, self.generated = d.device.type == "cuda", False, None, 0
+        self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
+        self.generated = self.prompted = 0
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         if name == "tiny":  # vLLM loads models from a directory: every rank writes the in-process tiny model to
             from safetensors.torch import save_model  # its own (save_pretrained writes on rank 0 only)
@@ -398,6 +400,7 @@ class VLLMEngine(HFEngine):
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         ids = [list(o.outputs[0].token_ids) for o in outs]
         self.generated += sum(map(len, ids))
+        self.prompted += sum(map(len, prompts))
         logps = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, r)] for o, r in zip(outs, ids)]
         return ids, logps
 
@@ -509,6 +512,7 @@ class CollectStats:
     bad_replies: int = 0         # ... or an answer that breaks the /retrieve contract (also a failure text)
     retriever: str = ""          # which retriever (URL or BM25 corpus), for the warning line
     gen_tokens: int = 0          # tokens the policy sampled for its turns,
+    prompt_tokens: int = 0       # ... and the prompt tokens it read for them,
     gen_seconds: float = 0.0     # wall seconds in engine.sample (the policy's turns),
     env_seconds: float = 0.0     # ... in env resets and steps (and the bookkeeping between them)
 
@@ -520,11 +524,11 @@ class CollectStats:
         if s[2] and s[3] + s[4] == s[2]:
             total_failure(f"search: all {int(s[2])} retrievals from {self.retriever} failed this update "
                           f"({int(s[4])} bad replies): the agent saw failure texts instead of documents", require, d)
-        seconds = global_sum([self.gen_seconds, self.env_seconds, self.gen_tokens], d.device)
+        seconds = global_sum([self.gen_seconds, self.env_seconds, self.gen_tokens, self.prompt_tokens], d.device)
         return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
                 "search/retrieval_failures": s[3], "search/bad_replies": s[4],
                 "time/rollout_generation": seconds[0] / d.world, "time/rollout_env": seconds[1] / d.world,
-                "perf/rollout_gen_tokens": seconds[2]}
+                "perf/rollout_gen_tokens": seconds[2], "perf/rollout_prompt_tokens": seconds[3]}
 
 
 @dataclass
@@ -666,6 +670,7 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
         responses, logps = engine.sample([ids for ids, _ in encoded], max_response, temperature, top_p)
         stats.gen_seconds += time.perf_counter() - t0
         stats.gen_tokens += sum(map(len, responses))
+        stats.prompt_tokens += sum(len(ids) for ids, _ in encoded)
         logps = logps or [None] * len(responses)
         replies = [engine.tok.decode(resp, skip_special_tokens=True) for resp in responses]
         t0 = time.perf_counter()

@@ -549,7 +549,8 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok,
             **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
-            "perf/teacher_tokens": C.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d)}
+            "perf/teacher_tokens": C.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d),
+            "perf/reflection_tokens": C.sample_tokens([RP[j] for j in live], [RR[j] for j in live], d)}  # scored+trained
 
 
 def main(args: Args):
@@ -571,7 +572,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
-        timer, t0, generated = C.Timer(), time.perf_counter(), engine.generated
+        timer, t0, read, generated = C.Timer(), time.perf_counter(), engine.prompted, engine.generated
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.1
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)
@@ -600,7 +601,8 @@ def main(args: Args):
                     **C.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row["perf/generated_tokens"] = C.global_sum([engine.generated - generated], d.device)[0]  # every role
+        row["perf/generated_tokens"], row["perf/prompt_tokens"] = C.global_sum(  # every role
+            [engine.generated - generated, engine.prompted - read], d.device)
         row.update(C.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

@@ -654,7 +654,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG
 
     for update in range(run.start, args.updates):
-        timer, t0, generated = C.Timer(), time.perf_counter(), engine.generated
+        timer, t0, read, generated = C.Timer(), time.perf_counter(), engine.prompted, engine.generated
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.5: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
@@ -679,7 +679,8 @@ def main(args: Args):
                     "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row["perf/generated_tokens"] = C.global_sum([engine.generated - generated], d.device)[0]  # every role
+        row["perf/generated_tokens"], row["perf/prompt_tokens"] = C.global_sum(  # every role
+            [engine.generated - generated, engine.prompted - read], d.device)
         row.update(C.validate(update, args, engine, policy, evals, d, timer, eval_context))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

@@ -689,6 +689,7 @@ def test_env_pool_collects_the_same_household_trajectories_as_serial(tiny_engine
         pooled, p_stats = _collect(pool.envs("train"), ids, tiny_engine)
         assert pooled == serial and len(serial) == 6 and sum(len(t[-1]) for t in serial) == 18
         assert p_stats.gen_tokens == s_stats.gen_tokens > 0 and p_stats.env_seconds > 0
+        assert p_stats.prompt_tokens == s_stats.prompt_tokens == sum(len(t[1]) for tr in serial for t in tr[-1])
         with pytest.raises(RuntimeError, match="env worker 0 failed:(.|\n)*ValueError: invalid literal"):
             pool.envs("bad").reset(["no-such-task"])
         again, _ = _collect(pool.envs("train"), ids, tiny_engine)  # the pool still works after an error

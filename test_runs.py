@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench
 import common as C
 
 HERE = Path(__file__).parent
@@ -371,10 +372,37 @@ def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
     assert rows["opid"][0]["analyzer/parsed_frac"] == 1 and m["opid"]["teacher_tokens"] == \
         rows["opid"][0]["perf/teacher_tokens"] > 0 and m["opid"]["teacher_s"] > 0
     assert rows["grpo"][0]["perf/teacher_tokens"] == 0 and rows["grpo"][0]["losses/opd"] == 0
-    for k in ("seed", "grsd"):  # the policy as analyzer / reflector: tokens generated outside rollouts, priced
-        assert m[k]["extra_gen_tokens"] == rows[k][0]["perf/generated_tokens"] - rows[k][0][
-            "perf/rollout_gen_tokens"] > 0 and m[k]["generate_s"] > 0
+    g = rows["grpo"][0]  # GRPO reads and writes nothing outside its rollouts
+    assert g["perf/generated_tokens"] == g["perf/rollout_gen_tokens"] > 0 and \
+        g["perf/prompt_tokens"] == g["perf/rollout_prompt_tokens"] > 0
+    for k in ("seed", "grsd"):  # the policy as analyzer / reflector: prompts read and tokens generated, priced
+        r = rows[k][0]
+        assert m[k]["extra_gen_tokens"] == r["perf/generated_tokens"] - r["perf/rollout_gen_tokens"] > 0 and \
+            m[k]["extra_prompt_tokens"] == r["perf/prompt_tokens"] - r["perf/rollout_prompt_tokens"] > 0 and \
+            m[k]["generate_s"] > 0
     assert info["oracle"]["requests/seed"] > 0 and info["oracle"]["requests/opid"] == 4 == rows["opid"][0][
         "endpoint/analyzer/requests"]  # stage 1; OPID: one request per trajectory (2 tasks x 2 rollouts)
     table = (out / "bench.md").read_text()
     assert table.startswith("| method | updates |") and "| opid | 1 |" in table
+
+
+def test_bench_prices_unavoidable_work_at_grpos_rates():
+    """bench.rates / price on hand-made rows: GRPO computes 3 passes of 3,000 tokens at 10 % padding (2,700 real
+    each); scoring (2 passes) 1.08 s → 0.2 ms per real token; update 2.7 s → 1 ms; rollout generation 3 s, of which
+    5,000 prompt tokens of prefill are 1 s → decode (3 − 1) s / 500 tokens = 4 ms."""
+    grpo = [{"perf/padding_frac": 0.1, "perf/forward_tokens": 9000, "time/scoring": 1.08, "time/update": 2.7,
+             "time/rollout_generation": 3.0, "perf/rollout_prompt_tokens": 5000, "perf/rollout_gen_tokens": 500}]
+    r = bench.rates(grpo)
+    assert r == pytest.approx({"score": 2e-4, "train": 1e-3, "decode": 4e-3})
+    # GRSD: 1,000 teacher tokens, 100 reflection tokens scored and trained, 2,000 prompt tokens read and 50
+    # generated outside its 400 + 4,000 rollout ones, 0.3 s waiting on the judge
+    row = [{"perf/teacher_tokens": 1000, "perf/reflection_tokens": 100, "perf/generated_tokens": 450,
+            "perf/rollout_gen_tokens": 400, "perf/prompt_tokens": 6000, "perf/rollout_prompt_tokens": 4000,
+            "time/judge": 0.3}]
+    p = bench.price("grsd", row, grpo)
+    assert p["teacher_s"] == pytest.approx(1000 * 2e-4 + 100 * (2e-4 + 1e-3))  # 0.32 s
+    assert p["generate_s"] == pytest.approx(2000 * 2e-4 + 50 * 4e-3)            # 0.6 s
+    assert p["unavoidable_s"] == pytest.approx(0.32 + 0.6 + 0.3)
+    times = [{"time/total": t, "time/save": 0.5} for t in (11.0, 12.0, 13.0)]
+    base = [{"time/total": t, "time/save": 0.5} for t in (10.0, 10.0, 11.0)]
+    assert bench.paired_spread(times, base) == pytest.approx(3 ** -0.5)  # differences 1, 2, 2: sd √(1/3)
