@@ -496,10 +496,10 @@ def bc_lr(step: int, steps: int, decay_from: int) -> float:
 
 def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int = 200, batch: int = 16,
                lr: float = 1e-3, decay_from: int = 1500, seed: int = 0, target: tuple = (0.2, 0.4),
-               prompt_weight: float = 0.5, log=print) -> dict:
+               prompt_weight: float = 0.5, select_tasks: int = 60, log=print) -> dict:
     """Behaviour cloning (clone_loss: the responses, plus language modelling on the prompts), AdamW at lr x bc_lr.
     At each step in `checks` the weights, tokenizer and training state are saved to out/step<k>/ and the held-out
-    success is measured (valid_seen, layout seed SELECT_SEED, 60 tasks, T 0.4); training stops at the first check
+    success is measured (valid_seen, layout seed SELECT_SEED, select_tasks tasks: 60, T 0.4); training stops at the first check
     inside `target` (that checkpoint is kept), else after `steps` (the best check is kept), and the kept one is
     copied to out/. A rerun resumes from the last saved check (a check saved without training state resumes with
     fresh AdamW moments, and says so)."""
@@ -560,7 +560,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
                 + f" lr {sched.get_last_lr()[0]:.2e} ({time.time() - t0:.0f} s)")
         if step in checks:
             t_eval = time.time()
-            success = eval_success(model, tok, "valid_seen", SELECT_SEED, max_steps)
+            success = eval_success(model, tok, "valid_seen", SELECT_SEED, max_steps, select_tasks)
             history[-1]["select_success"] = success
             log(f"[backbone] step {step}: valid_seen success (layout seed {SELECT_SEED}) {success:.3f} "
                 f"({time.time() - t_eval:.0f} s)")
@@ -926,9 +926,11 @@ def report(root: str, b: Budget, log=print) -> str:
 # ------------------------------------------------------------------------------------------------------------------
 
 SMOKE = dict(budget=Budget(updates=2, tasks_per_update=2, group_size=2, max_steps=4, eval_every=2, eval_tasks=4,
-                           sft_tasks=2, sft_rollouts=2, seeds=(0,)), bc_steps=4, checks=(2, 4), decay_from=2, bc_tasks=4)
+                           sft_tasks=2, sft_rollouts=2, seeds=(0,)), bc_steps=4, checks=(2, 4), decay_from=2, bc_tasks=4,
+             select_tasks=4)  # checks judged on 4 tasks
 FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 1250, 1500, 1750, 2000, 2250, 2500, 2750,
-                                                   3000), decay_from=1500, bc_tasks=200)
+                                                   3000), decay_from=1500, bc_tasks=200,
+            select_tasks=60)
 
 
 def main(argv=None):
@@ -956,7 +958,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads * a.parallel)
         os.makedirs(backbone, exist_ok=True)
         warm_start(backbone, cfg["bc_steps"], cfg["checks"], b.max_steps, n_tasks=cfg["bc_tasks"],
-                   decay_from=cfg["decay_from"])
+                   decay_from=cfg["decay_from"], select_tasks=cfg["select_tasks"])
     if a.cmd == "backbone":
         return
     oracle = Oracle(b.seeds)

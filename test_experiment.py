@@ -192,10 +192,11 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
     assert E.bc_lr(75, 100, 50) == pytest.approx(0.55) and E.bc_lr(100, 100, 50) == pytest.approx(0.1)
     quiet = lambda *a: None  # noqa: E731
     torch.set_num_threads(1)
-    whole = E.warm_start(str(tmp_path / "a"), 4, (2, 4), 2, n_tasks=2, batch=4, decay_from=2, log=quiet)
+    small = dict(n_tasks=2, batch=4, decay_from=2, select_tasks=4)  # 4 held-out tasks judge each check
+    whole = E.warm_start(str(tmp_path / "a"), 4, (2, 4), 2, **small, log=quiet)
     (tmp_path / "b").mkdir()
     os.system(f"cp -r {tmp_path / 'a' / 'step2'} {tmp_path / 'b'}")  # the state a kill after check 2 leaves
-    resumed = E.warm_start(str(tmp_path / "b"), 4, (2, 4), 2, n_tasks=2, batch=4, decay_from=2, log=quiet)
+    resumed = E.warm_start(str(tmp_path / "b"), 4, (2, 4), 2, **small, log=quiet)
     assert resumed["resumed_at"] == 2 and whole["resumed_at"] is None
     assert [h["nll"] for h in resumed["history"]] == [h["nll"] for h in whole["history"]]
     a, b = (load_file(str(tmp_path / d / "step4" / "model.safetensors")) for d in "ab")
@@ -204,7 +205,7 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
     (tmp_path / "c").mkdir()  # a check saved without training state: fresh AdamW moments, steps 3-4 only
     os.system(f"cp -r {tmp_path / 'a' / 'step2'} {tmp_path / 'c'} && rm {tmp_path / 'c' / 'step2' / 'train_state.pt'}")
     said = []
-    fresh = E.warm_start(str(tmp_path / "c"), 4, (2, 4), 2, n_tasks=2, batch=4, decay_from=2, log=said.append)
+    fresh = E.warm_start(str(tmp_path / "c"), 4, (2, 4), 2, **small, log=said.append)
     assert fresh["resumed_at"] == 2 and [h["step"] for h in fresh["history"]] == [3, 4]
     assert any("fresh AdamW moments" in line for line in said) and (tmp_path / "c" / "config.json").is_file()
     c = load_file(str(tmp_path / "c" / "step4" / "model.safetensors"))

@@ -88,7 +88,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tm
     """2 ranks, save_every 1. SEED is killed after its first checkpoint (θ_sft + skill library: stage 2 restarts
     with a fresh AdamW), OPID and GRSD after update 1 (AdamW moments restored). Generation, scoring and the update
     are deterministic on CPU given weights, optimizer and RNG, so the rows and final weights must be bit-equal."""
-    flags = ["--updates", "3", "--save_every", "1", "--eval_every", "2"]
+    flags = ["--updates", "2", "--save_every", "1", "--eval_every", "2"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(torchrun(method, straight, *flags))
 

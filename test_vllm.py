@@ -159,9 +159,25 @@ FAST = {"seed": ["--sft_tasks", "2", "--sft_rollouts", "2", "--annotator_max_tok
         "opid": ["--analyzer_max_tokens", "24"], "grsd": ["--reflection_max_tokens", "24", "--judge_max_tokens", "8"]}
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("method", ["seed", "opid", "grsd"])
+def check_vllm_run(out: Path, res, ranks: int):
+    """One update on the vLLM engine: trained, evaluated, saved, and the engine's log-probs equal the trainer's."""
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    row = rows[-1]
+    assert row["update"] == 0
+    assert json.load(open(out / "final" / "trainer_state" / "meta.json"))["world_size"] == ranks
+    assert row["train/tokens"] > 0 and "eval/success" in row
+    # the engine's sampled-token log-probs agree with the trainer's fp32 ℓ_old
+    assert row["rollout/logp_diff_mean"] < 1e-5 and row["rollout/logp_diff_max"] < 1e-4
+    assert row["rollout/ratio_off_frac"] == 0.0
+    assert json.load(open(out / "args.json"))["engine"] == "vllm"
+    assert (out / "final" / "model.safetensors").is_file()
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("method,ranks", [("seed", 1), ("seed", 2), ("opid", 2), ("grsd", 1), ("grsd", 2)])
 def test_one_update_with_the_vllm_engine(method, ranks, tmp_path):
+    """(OPID on 1 process: the eval-only test below.)"""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,18 +186,7 @@ def test_one_update_with_the_vllm_engine(method, ranks, tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
     res = subprocess.run(launch + [str(HERE / f"{method}.py"), "--out_dir", str(tmp_path), *RUN, *FAST[method]],
                          cwd=HERE, env=env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    row = rows[-1]
-    assert row["update"] == 0
-    assert json.load(open(tmp_path / "final" / "trainer_state" / "meta.json"))["world_size"] == ranks
-    assert row["train/tokens"] > 0 and "eval/success" in row
-    # the engine's sampled-token log-probs agree with the trainer's fp32 ℓ_old
-    assert row["rollout/logp_diff_mean"] < 1e-5 and row["rollout/logp_diff_max"] < 1e-4
-    assert row["rollout/ratio_off_frac"] == 0.0
-    assert json.load(open(tmp_path / "args.json"))["engine"] == "vllm"
-    assert (tmp_path / "final" / "model.safetensors").is_file()
-    assert "Traceback" not in res.stderr
+    check_vllm_run(tmp_path, res, ranks)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["CHILD"]:
@@ -190,9 +195,9 @@ if __name__ == "__main__" and sys.argv[1:2] == ["CHILD"]:
 
 
 def test_eval_only_from_the_checkpoint_reproduces_the_eval_the_vllm_run_logged(tmp_path):
-    """The eval after update 0 ran on weights pushed into the engine; --eval_only loads the saved final/ from disk
-    into a fresh engine. Same seed and lengths → the same episodes, so the same numbers: the push was real and
-    sampling follows the seeded stream."""
+    """OPID's one update on the vLLM engine in 1 process (check_vllm_run). The eval after update 0 ran on weights
+    pushed into the engine; --eval_only loads the saved final/ from disk into a fresh engine. Same seed and lengths →
+    the same episodes, so the same numbers: the push was real and sampling follows the seeded stream."""
     out, ev = tmp_path / "run", tmp_path / "eval"
     cmd = [sys.executable, str(HERE / "opid.py"), *RUN, *FAST["opid"]]
     for extra in (["--out_dir", str(out)],
@@ -200,6 +205,8 @@ def test_eval_only_from_the_checkpoint_reproduces_the_eval_the_vllm_run_logged(t
                    "--max_response_len", "48", "--max_steps", "6"]):
         res = subprocess.run(cmd + extra, cwd=HERE, env=env(), capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
+        if "--eval_only" not in extra:
+            check_vllm_run(out, res, 1)  # OPID's one update on 1 process
     trained = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
     scored = [json.loads(line) for line in open(ev / "metrics.jsonl")][-1]
     keys = [k for k in trained if k.startswith("eval/")]
