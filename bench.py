@@ -1,6 +1,6 @@
 """Cost of SEED, OPID and GRSD against GRPO, measured in one invocation (GRSD Table 6 reports s/update ratios).
 
-  python bench.py                                                  # household, offline tiny model, 3 rounds
+  python bench.py                                                  # household, offline tiny model, 5 rounds
   python bench.py --env alfworld --data_dir ../shared/data/alfworld --env_workers 2
   python bench.py --smoke                                          # 1 round, tiny settings (what CI runs)
 
@@ -102,9 +102,9 @@ def per_update(rows: list[dict]) -> float:
 
 
 def rates(grpo: list[dict]) -> dict:
-    """GRPO's measured seconds per real token (module docstring): a no-grad forward (scoring: ℓ_old and ℓ_ref are two
-    of its three equal passes), a training forward + backward (the third), and one decode step of generation, which
-    is the rollout's generation time less its prompts' prefill priced as a no-grad forward."""
+    """GRPO's measured seconds per real token (module docstring): a no-grad forward (scoring: ℓ_old and ℓ_ref are
+    two of its three equal passes), a training forward + backward (the third), and one decode step of generation,
+    which is the rollout's generation time less its prompts' prefill priced as a no-grad forward."""
     real = max(1 - mean(grpo, "perf/padding_frac"), 1e-6)
     per_pass = max(mean(grpo, "perf/forward_tokens") / 3, 1) * real
     score = mean(grpo, "time/scoring") / (2 * per_pass)
@@ -139,8 +139,9 @@ def report(out: str) -> tuple[str, dict]:
     rows = {m: update_rows(os.path.join(out, m)) for m in METHODS}
     base = per_update(rows["grpo"])
     phases = [p for p in PHASES if any(f"time/{p}" in r for rs in rows.values() for r in rs)]
-    head = ["method", "updates"] + [f"{p}" for p in phases] + ["rollout gen / env", "padding", "s/update",
-                                                                 "× GRPO", "extra s (± sd)", "unavoidable s", "extra / unavoidable"]
+    head = ["method", "updates"] + [f"{p}" for p in phases] + [
+        "rollout gen / env", "padding", "s/update", "× GRPO", "extra s (± sd)", "unavoidable s",
+        "extra / unavoidable"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     summary = {}
     for m in METHODS:
@@ -187,7 +188,7 @@ def main(argv_=None):
     p.add_argument("--env", default="household", choices=("household", "alfworld", "webshop", "search"))
     p.add_argument("--data_dir", default=None, help="benchmark data (alfworld, webshop, search)")
     p.add_argument("--out", default="runs/bench", help="bench folder [default: runs/bench]")
-    p.add_argument("--rounds", type=int, default=3, help="updates per method, alternated [default: 3]")
+    p.add_argument("--rounds", type=int, default=5, help="updates per method, alternated [default: 5]")
     p.add_argument("--tasks", type=int, default=4, help="tasks per update [default: 4]")
     p.add_argument("--group", type=int, default=4, help="rollouts per task [default: 4]")
     p.add_argument("--max_steps", type=int, default=6, help="episode step limit [default: 6]")

@@ -499,8 +499,8 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
                prompt_weight: float = 0.5, select_tasks: int = 60, log=print) -> dict:
     """Behaviour cloning (clone_loss: the responses, plus language modelling on the prompts), AdamW at lr x bc_lr.
     At each step in `checks` the weights, tokenizer and training state are saved to out/step<k>/ and the held-out
-    success is measured (valid_seen, layout seed SELECT_SEED, select_tasks tasks: 60, T 0.4); training stops at the first check
-    inside `target` (that checkpoint is kept), else after `steps` (the best check is kept), and the kept one is
+    success is measured (valid_seen, layout seed SELECT_SEED, `select_tasks` tasks, T 0.4); training stops at the first
+    check inside `target` (that checkpoint is kept), else after `steps` (the best check is kept), and the kept one is
     copied to out/. A rerun resumes from the last saved check (a check saved without training state resumes with
     fresh AdamW moments, and says so)."""
     import torch
@@ -926,8 +926,8 @@ def report(root: str, b: Budget, log=print) -> str:
 # ------------------------------------------------------------------------------------------------------------------
 
 SMOKE = dict(budget=Budget(updates=2, tasks_per_update=2, group_size=2, max_steps=4, eval_every=2, eval_tasks=4,
-                           sft_tasks=2, sft_rollouts=2, seeds=(0,)), bc_steps=4, checks=(2, 4), decay_from=2, bc_tasks=4,
-             select_tasks=4)  # checks judged on 4 tasks
+                           sft_tasks=2, sft_rollouts=2, seeds=(0,)), bc_steps=4, checks=(2, 4), decay_from=2,
+             bc_tasks=4, select_tasks=4)  # its checks are judged on 4 tasks
 FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 1250, 1500, 1750, 2000, 2250, 2500, 2750,
                                                    3000), decay_from=1500, bc_tasks=200,
             select_tasks=60)
