@@ -141,7 +141,7 @@ class Args:
     skill_library: str | None = arg(None, "JSONL of {'skill': text, 'family': task family (absent: every task)} "
                                           "records, e.g. skills/alfworld.jsonl or a run's stage1/skills.jsonl")
     # Table 1 baselines (module docstring)
-    teacher_params: str = arg("current", "who scores the teacher: current (SEED Alg. 1 l.22: θ in every micro-batch) "
+    teacher_params: str = arg("current", "who scores the teacher: current (SEED Alg. 1 l.22: θ, in every mini-batch) "
                                          "or old (θ_old once per update, as the SDAR code)", ("current", "old"))
     pg_coef: float = arg(1.0, "weight of the clipped GRPO term of L_rl (0 = OPSD: distillation + KL only)")
     distill: str = arg("opd", "distillation term: opd (Eq. 1, gated) or sdl (Skill-SD: ρ-weighted k3)", DISTILL)
@@ -461,25 +461,13 @@ def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]
     return samples, adv
 
 
-@torch.no_grad()
-def skill_branch(policy, batch: list[Sample], responses, d):
-    """Alg. 1 l.22, teacher branch: ℓ_skill = log π_θ(a | H(h, s), a_<ℓ) with the CURRENT θ and no gradient, on
-    the same response ids. Returns (ℓ_skill [B, R], has [B, 1]); rows without a skill stay 0 with has = 0."""
-    skill_lp = torch.zeros(len(responses), max(map(len, responses)), device=d.device)
-    has = torch.zeros(len(responses), 1, device=d.device)
-    rows = [j for j, s in enumerate(batch) if s.teacher_ids]
-    tp = [batch[j].teacher_ids for j in rows] or [C.DUMMY[0]]  # every rank runs one forward (FSDP collective)
-    t_lp, _ = C.sequence_logprobs(policy, tp, [responses[j] for j in rows] or [C.DUMMY[1]], d.device)
-    for k, j in enumerate(rows):
-        skill_lp[j, :len(responses[j])] = t_lp[k, :len(responses[j])]
-        has[j] = 1.0
-    return skill_lp, has
-
-
-def teacher_scores_old(policy, samples: list[Sample], R, args, d) -> list[torch.Tensor | None]:
-    """--teacher_params old (the SDAR code's baselines): ℓ_T = log π_θold(a | H(h, s)) for every turn with a skill,
-    once per update before the mini-batches, then frozen; None for turns without one."""
-    rows = [i for i, s in enumerate(samples) if s.teacher_ids]
+def teacher_scores(policy, samples: list[Sample], idx, R, args, d) -> list[torch.Tensor | None]:
+    """ℓ_T = log π_θ(a | H(h, s)) under the weights θ holds now, without gradient, on the same response ids, for the
+    turns in `idx` that carry a skill (length-packed micro-batches of their teacher prompts); None for the others.
+    SEED (Alg. 1 l.22): called once per mini-batch with the CURRENT θ (θ does not move inside a mini-batch: the
+    step comes after its last micro-batch). --teacher_params old (the SDAR code's baselines): called once per update
+    before the mini-batches, at θ_old, then frozen."""
+    rows = [i for i in idx if samples[i].teacher_ids]
     lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d.device,
                  args.micro_batch_tokens)
     out: list[torch.Tensor | None] = [None] * len(samples)
@@ -489,7 +477,7 @@ def teacher_scores_old(policy, samples: list[Sample], R, args, d) -> list[torch.
 
 
 def cached_teacher(cache: list, idx: list[int], responses, d):
-    """(ℓ_T [B, R], has [B, 1]) for a micro-batch from teacher_scores_old, laid out like skill_branch's."""
+    """(ℓ_T [B, R], has [B, 1]) for a micro-batch from teacher_scores: rows without a skill hold 0 with has = 0."""
     rows = [cache[i] if cache[i] is not None else torch.zeros(len(r)) for i, r in zip(idx, responses)] \
         or [torch.zeros(1)]
     has = torch.tensor([[float(cache[i] is not None)] for i in idx] or [[0.0]], device=d.device)
@@ -503,7 +491,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
     with timer("scoring"):
         old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # ℓ_old: θ before the update
         ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # π_ref, for L_rl's KL
-        teacher_old = teacher_scores_old(policy, samples, R, args, d) if args.teacher_params == "old" else None
+        teacher_old = teacher_scores(policy, samples, range(len(samples)), R, args, d) \
+            if args.teacher_params == "old" else None
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     lam_t = rlsd_lambda_at(update, args.rlsd_lambda, args.rlsd_warmdown) if args.rlsd_lambda > 0 else 0.0
@@ -513,22 +502,22 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
     taught = [s for s in samples if s.teacher_ids] if args.lambda_opd > 0 or teacher_old is not None else []
-    current_teacher = args.lambda_opd > 0 and teacher_old is None  # l.22 runs the teacher in every micro-batch:
-    widest = [s.teacher_ids or s.prompt_ids if current_teacher else s.prompt_ids for s in samples]  # pack by it
+    current_teacher = args.lambda_opd > 0 and teacher_old is None  # SEED: l.22 under the current θ
     sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
     norms = []
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # Σm over the whole mini-batch
-            for idx in C.pad_chunks(C.micro_batches(mb, widest, R, args.micro_batch, args.micro_batch_tokens), d.device):
+            teacher = teacher_old
+            if current_teacher:  # Alg. 1 l.22, teacher branch: ℓ_skill with the current θ, no gradient
+                with timer("teacher"):  # time/teacher is a part of time/update
+                    teacher = teacher_scores(policy, samples, mb, R, args, d)
+            for idx in C.pad_chunks(C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens), d.device):
                 scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
                 p = [P[i] for i in idx] or [C.DUMMY[0]]
                 r = [R[i] for i in idx] or [C.DUMMY[1]]
-                if args.lambda_opd > 0 and teacher_old is not None:
-                    skill_lp, has = cached_teacher(teacher_old, idx, r, d)  # ℓ_T(θ_old), frozen for the update
-                elif args.lambda_opd > 0:
-                    with timer("teacher"):  # time/teacher is a part of time/update
-                        skill_lp, has = skill_branch(policy, [samples[i] for i in idx], r, d)
+                if args.lambda_opd > 0:  # ℓ_T of this micro-batch's turns (θ_old's for --teacher_params old)
+                    skill_lp, has = cached_teacher(teacher, idx, r, d)
                 # Alg. 1 l.22, student branch: ℓ_θ in the ordinary context, with gradient
                 logp, mask = C.sequence_logprobs(policy, p, r, d.device)
                 old_lp = C.pad_right([old[i] for i in idx] or [torch.zeros(1)], d.device)

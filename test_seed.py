@@ -204,13 +204,13 @@ def test_lambda_opd_zero_matches_an_independent_grpo_step(d, tok, batch):
 
 def test_teacher_branch_uses_the_current_weights_in_every_minibatch(d, tok, batch, monkeypatch):
     """Alg. 1 l.22: ℓ_skill is re-scored with the current θ inside each mini-batch, not cached at θ_old."""
-    seen, real = [], seed.skill_branch
+    seen, real = [], seed.teacher_scores
 
-    def spy(policy, rows, responses, d_):
+    def spy(policy, *a):
         full = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in policy.state_dict().values()]
         seen.append(sum(v.double().sum().item() for v in full))
-        return real(policy, rows, responses, d_)
-    monkeypatch.setattr(seed, "skill_branch", spy)
+        return real(policy, *a)
+    monkeypatch.setattr(seed, "teacher_scores", spy)
     row, _, _, _ = run_update(d, tok, batch, minibatch_turns=8, micro_batch=64)
     assert row["train/minibatches"] >= 3 and len(seen) == row["train/minibatches"]
     assert len(set(seen)) == len(seen)  # the weights differ at every teacher forward
