@@ -24,7 +24,9 @@
                  + tokens generated outside rollouts × decode
        endpoint  the seconds of the phases that wait on the endpoint (OPID analysis, GRSD judge)
    and extra / unavoidable, where extra = the method's seconds per update − GRPO's (± its standard deviation over
-   the rounds, paired by round: the run-to-run noise).
+   the rounds, paired by round: the run-to-run noise); and, less noisy, the method's own phases (analysis,
+   reflection, judge, guidance, teacher: the work GRPO does not do, timed alone) over the same unavoidable cost.
+   (GRSD's reflection scoring and training run inside its scoring and update phases: in `extra` only.)
 
 Deviations / choices:
   * The policies are small and untrained (the tiny model after stage 1 on a few tasks): no rollout wins, so GRSD's
@@ -48,6 +50,7 @@ import experiment
 METHODS = ("grpo", "seed", "opid", "grsd")
 PHASES = ("sync", "rollout", "analysis", "reflection", "judge", "guidance", "scoring", "teacher", "update")
 ENDPOINT_PHASES = {"opid": "analysis", "grsd": "judge"}
+OWN_PHASES = ("analysis", "reflection", "judge", "guidance", "teacher")  # what GRPO does not run (timed alone)
 
 
 def settings(a) -> dict:
@@ -141,7 +144,7 @@ def report(out: str) -> tuple[str, dict]:
     phases = [p for p in PHASES if any(f"time/{p}" in r for rs in rows.values() for r in rs)]
     head = ["method", "updates"] + [f"{p}" for p in phases] + [
         "rollout gen / env", "padding", "s/update", "× GRPO", "extra s (± sd)", "unavoidable s",
-        "extra / unavoidable"]
+        "extra / unavoidable", "own phases s", "own / unavoidable"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     summary = {}
     for m in METHODS:
@@ -153,15 +156,19 @@ def report(out: str) -> tuple[str, dict]:
                   f"{mean(rs, 'perf/padding_frac'):.1%}", f"{total:.2f}", f"{total / base:.2f}×"]
         summary[m] = {"s_per_update": total, "x_grpo": total / base}
         if m == "grpo":
-            cells += ["–", "–", "–"]
+            cells += ["–"] * 5
         else:
             p = price(m, rs, rows["grpo"])
             extra, spread = total - base, paired_spread(rs, rows["grpo"])
             summary[m].update(p, extra_s=extra, extra_sd=spread, extra_over_unavoidable=extra / p["unavoidable_s"]
                               if p["unavoidable_s"] > 0 else None)
-            ratio = f"{extra / p['unavoidable_s']:.2f}" if p["unavoidable_s"] > 0 else "–"
+            own = sum(mean(rs, f"time/{q}") for q in OWN_PHASES)
+            summary[m].update(own_s=own)
+            ratio, own_ratio = (f"{x / p['unavoidable_s']:.2f}" if p["unavoidable_s"] > 0 else "–"
+                                for x in (extra, own))
             cells += [f"{extra:.2f} ± {spread:.2f}", f"{p['unavoidable_s']:.2f} (scored {p['teacher_s']:.2f}, "
-                      f"generate {p['generate_s']:.2f}, endpoint {p['endpoint_s']:.2f})", ratio]
+                      f"generate {p['generate_s']:.2f}, endpoint {p['endpoint_s']:.2f})", ratio, f"{own:.2f}",
+                      own_ratio]
         lines.append("| " + " | ".join(cells) + " |")
     r = rates(rows["grpo"])
     work = ["", f"GRPO's rates, ms per token: no-grad forward {1e3 * r['score']:.4f}, training forward + backward "
