@@ -5,7 +5,7 @@ against it at the same rollout budget, 3 seeds each. README "Learning evidence" 
   python experiment.py backbone              # 1. the warm start only -> runs/experiment/backbone (HF checkpoint)
   python experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
   python experiment.py report                # 4. curves.png + table.md from the finished runs
-  python experiment.py --smoke               # a 2-update version of everything (what test_experiment.py runs)
+  python experiment.py --smoke               # a 1-update version of everything (what test_experiment.py runs)
 
 1. Backbone: a stand-in for an instruction-tuned LLM. A 4-layer Qwen2-style model (hidden 256, 3.5 M parameters)
    with a byte-level BPE trained on household text (Qwen2's pre-tokenizer), behaviour-cloned on train tasks only
@@ -925,7 +925,7 @@ def report(root: str, b: Budget, log=print) -> str:
 # main
 # ------------------------------------------------------------------------------------------------------------------
 
-SMOKE = dict(budget=Budget(updates=2, tasks_per_update=2, group_size=2, max_steps=4, eval_every=2, eval_tasks=4,
+SMOKE = dict(budget=Budget(updates=1, tasks_per_update=2, group_size=2, max_steps=4, eval_every=1, eval_tasks=4,
                            sft_tasks=2, sft_rollouts=2, seeds=(0,)), bc_steps=4, checks=(2, 4), decay_from=2,
              bc_tasks=4, select_tasks=4)  # its checks are judged on 4 tasks
 FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 1250, 1500, 1750, 2000, 2250, 2500, 2750,
@@ -938,7 +938,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cmd", nargs="?", default="all", choices=("all", "backbone", "oracle", "report"))
     p.add_argument("--out", default=OUT, help=f"experiment folder [default: {OUT}]")
-    p.add_argument("--smoke", action="store_true", help="2 updates, 1 seed, a 4-step warm start (the test)")
+    p.add_argument("--smoke", action="store_true", help="1 update, 1 seed, a 4-step warm start (the test)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time [default: 1]")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run [default: 2: one run on both cores "
                    "evaluates in ~120 s, two runs on one core each in 335-383 s]")

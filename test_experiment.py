@@ -1,4 +1,4 @@
-"""experiment.py's parts: the oracle endpoint over real HTTP, the warm-start data, and a 2-update smoke run."""
+"""experiment.py's parts: the oracle endpoint over real HTTP, the warm-start data, and a 1-update smoke run."""
 import json
 import os
 import random
@@ -213,7 +213,7 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
 
 
 def test_experiment_smoke_run(tmp_path):
-    """The whole script at 2 updates and 1 seed: backbone, oracle, 4 methods + the backbone eval, curves and table."""
+    """The whole script at 1 update and 1 seed: backbone, oracle, 4 methods + the backbone eval, curves and table."""
     out = tmp_path / "exp"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
@@ -225,7 +225,7 @@ def test_experiment_smoke_run(tmp_path):
     for m in E.METHODS:
         rows = E.read_rows(str(out / f"{m}-s0"))
         last = [r for r in rows if "update" in r][-1]
-        assert last["update"] == 1 and "eval/success" in last and "eval_unseen/success" in last
+        assert last["update"] == 0 and "eval/success" in last and "eval_unseen/success" in last
     start = E.read_rows(str(out / "backbone-s0"))[-1]
     assert start["eval_only"] == 1 and "eval_unseen/success" in start
     stats = json.loads((out / "oracle_stats.json").read_text())
