@@ -797,8 +797,9 @@ def micro_batches(indices: list[int], prompts: list[list[int]], responses: list[
                   max_tokens: int) -> list[list[int]]:
     """Split `indices` (one mini-batch, or a whole scoring pass) into forward micro-batches. max_tokens = 0: fixed
     chunks of `rows` in the given order. Else length-aware (--micro_batch_tokens): longest first, each micro-batch
-    filled while its padded size, rows × (longest prompt + longest response) as sequence_logprobs lays it out,
-    stays ≤ max_tokens and it has ≤ `rows` rows (a sample over the budget gets a micro-batch of its own). Only the
+    filled while rows × (longest prompt + longest response) stays ≤ max_tokens and it has ≤ `rows` rows (a sample
+    over the budget gets a micro-batch of its own). That product bounds the padded size sequence_logprobs computes
+    (rows × its longest prompt + response) from above, so the budget is never exceeded. Only the
     grouping changes: every loss is normalised by its mini-batch's global counts, so the gradient is the same."""
     if not max_tokens:
         return chunk(indices, rows)
