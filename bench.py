@@ -11,10 +11,17 @@
    gives θ_sft. Every method starts from it, so all four see the same weights, tokenizer and reference policy, and
    SEED's stage-2 analyzer can write skills that parse (a random policy's never do; in one check, 30 SFT epochs on
    32 oracle skills, half of the stage-2 skills parsed).
-3. Rounds: in each round every method runs one more update (seed.py / opid.py / grsd.py, --resume; the order is
-   rotated from round to round), with the same env, seed, tasks, lengths and micro-batching. GRPO is seed.py
-   --skip_sft --lambda_opd 0; SEED is seed.py --skip_sft from θ_sft (stage 2, Alg. 1); OPID and GRSD use the oracle.
-4. Report (from each run's metrics.jsonl; save and eval excluded): seconds per update by phase, × GRPO, the rollout
+3. Rounds: in round r every method runs one update from θ_sft with seed r (seed.py / opid.py / grsd.py in a fresh
+   run each; the order is rotated from round to round), with the same env, tasks, lengths and micro-batching. Same
+   weights and seed, so the four runs of a round roll out the same trajectories (the report checks the token
+   counts): rollout and scoring are the same work, and the difference of two totals is the method's own work plus
+   timing noise, not a drift of the policies apart. GRPO is seed.py --skip_sft --lambda_opd 0; SEED is seed.py
+   --skip_sft (stage 2, Alg. 1); OPID and GRSD use the oracle.
+4. Full-batch decoding (`calibrate`), timed on θ_sft in this process after the rounds, at the mean context of
+   GRPO's rollout turns and of each method's generation outside rollouts: seconds per decoded token when every row
+   of a batch decodes. It is the engine's throughput without lock-step waste (HF generate steps finished rows until
+   the longest ends) or small late batches, which a continuous-batching engine (vLLM) avoids.
+5. Report (from each run's metrics.jsonl; save and eval excluded): seconds per update by phase, × GRPO, the rollout
    split into generation and environment, padding, and each method's unavoidable extra work priced at GRPO's
    throughput measured in the same invocation (GRPO's rates, seconds per real token: a no-grad forward = its
    scoring time over its ℓ_old and ℓ_ref passes; a training forward + backward = its update time over one pass; a
@@ -23,28 +30,35 @@
        generate  prompt tokens read outside rollouts (the analysis / reflection prompts: prefill) × forward
                  + tokens generated outside rollouts × decode
        endpoint  the seconds of the phases that wait on the endpoint (OPID analysis, GRSD judge)
-   and extra / unavoidable, where extra = the method's seconds per update − GRPO's (± its standard deviation over
-   the rounds, paired by round: the run-to-run noise); and, less noisy, the method's own phases (analysis,
-   reflection, judge, guidance, teacher: the work GRPO does not do, timed alone) over the same unavoidable cost.
-   (GRSD's reflection scoring and training run inside its scoring and update phases: in `extra` only.)
+   and extra / unavoidable, where extra = the method's seconds per update − GRPO's in the same round (± its standard
+   deviation over the rounds); the method's own phases (analysis, reflection, judge, guidance, teacher: the work
+   GRPO does not do, timed alone) over the same unavoidable cost; and, stricter, the own phases over the price with
+   a decoded token at the full-batch rate of step 4 at its mean context (the remainder is lock-step waste and the
+   Python around the engine). (GRSD's reflection scoring and training run inside its scoring and update phases: in
+   `extra` only.) Mean lengths come from the runs' counts (perf/prompts, perf/rollout_turns, perf/teacher_seqs).
 
 Deviations / choices:
   * The policies are small and untrained (the tiny model after stage 1 on a few tasks): no rollout wins, so GRSD's
     groups are never mixed and its guidance and teacher do not run here, and its reflections rarely parse (then the
     judge is not asked). The table reports what each method did (teacher tokens, generated tokens) next to its time.
   * The endpoint runs in this process (a thread) and shares the CPU with the runs.
-  * Each update runs in a fresh process (--resume is bit-exact, test_runs.py): process start and model loading are
-    outside time/total; the first update of a process may carry some warm-up, alike for every method.
+  * Each update runs in a fresh process: process start and model loading are outside time/total; the first update
+    of a process may carry some warm-up, alike for every method. Every round measures a first update from θ_sft
+    (Table 6 averages over training); on these untrained policies later updates do the same work.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import subprocess
 import sys
 import time
 
+import torch
+
+import common as C
 import experiment
 
 METHODS = ("grpo", "seed", "opid", "grsd")
@@ -55,9 +69,9 @@ OWN_PHASES = ("analysis", "reflection", "judge", "guidance", "teacher")  # what 
 
 def settings(a) -> dict:
     """What every run shares (the tiny-model counterpart of Table 5; the paper's lr, KL and coefficients)."""
-    return dict(env=a.env, env_rules="verl_agent", seed=0, tasks_per_update=a.tasks, group_size=a.group,
+    return dict(env=a.env, env_rules="verl_agent", tasks_per_update=a.tasks, group_size=a.group,
                 max_steps=a.max_steps, max_prompt_len=1024, max_response_len=48, micro_batch=16, minibatch_turns=256,
-                eval_every=0, save_every=1, engine="hf", env_workers=a.env_workers,
+                eval_every=0, engine="hf", env_workers=a.env_workers,
                 **({"data_dir": a.data_dir} if a.data_dir else {}))
 
 
@@ -91,8 +105,14 @@ def run(cmd: list[str], log: str, threads: int) -> float:
     return time.time() - t0
 
 
-def update_rows(run_dir: str) -> list[dict]:
-    return [r for r in experiment.read_rows(run_dir) if "update" in r]
+def round_dir(out: str, method: str, r: int) -> str:
+    return os.path.join(out, method, f"round{r}")
+
+
+def update_rows(out: str, method: str) -> list[dict]:
+    """The method's update rows, one per round, in round order."""
+    rounds = sorted(int(n[5:]) for n in os.listdir(os.path.join(out, method)) if n.startswith("round"))
+    return [r for k in rounds for r in experiment.read_rows(round_dir(out, method, k)) if "update" in r]
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -116,18 +136,74 @@ def rates(grpo: list[dict]) -> dict:
     return {"score": score, "train": mean(grpo, "time/update") / per_pass, "decode": decode}
 
 
-def price(method: str, rows: list[dict], grpo: list[dict]) -> dict:
-    """The method's unavoidable extra seconds per update at GRPO's measured throughput (module docstring)."""
+def lengths(rows: list[dict]) -> dict:
+    """Mean lengths in tokens: a teacher sequence; outside rollouts (analysis / reflection) a prompt, and the context
+    a decoded token sees (its prompt + half of what is written); the same context for a rollout turn."""
+    turns = max(mean(rows, "perf/rollout_turns"), 1)
+    n_x = max(mean(rows, "perf/prompts") - mean(rows, "perf/rollout_turns"), 1)
+    read_x = (mean(rows, "perf/prompt_tokens") - mean(rows, "perf/rollout_prompt_tokens")) / n_x
+    gen_x = (mean(rows, "perf/generated_tokens") - mean(rows, "perf/rollout_gen_tokens")) / n_x
+    return {"teacher": mean(rows, "perf/teacher_tokens") / max(mean(rows, "perf/teacher_seqs"), 1),
+            "prompt": read_x, "decode_context": read_x + gen_x / 2,
+            "rollout_decode_context": (mean(rows, "perf/rollout_prompt_tokens") +
+                                       mean(rows, "perf/rollout_gen_tokens") / 2) / turns}
+
+
+def price(method: str, rows: list[dict], grpo: list[dict], decode_s: float | None = None) -> dict:
+    """The method's unavoidable extra seconds per update at GRPO's measured throughput (module docstring); a decoded
+    token at `decode_s` seconds instead of GRPO's rollout rate when given (the full-batch rate of `calibrate`)."""
     r = rates(grpo)
     teacher_tok, refl_tok = mean(rows, "perf/teacher_tokens"), mean(rows, "perf/reflection_tokens")
     extra_gen = mean(rows, "perf/generated_tokens") - mean(rows, "perf/rollout_gen_tokens")
     extra_read = mean(rows, "perf/prompt_tokens") - mean(rows, "perf/rollout_prompt_tokens")
     teacher = teacher_tok * r["score"] + refl_tok * (r["score"] + r["train"])
-    generate = extra_read * r["score"] + extra_gen * r["decode"]
+    generate = extra_read * r["score"] + extra_gen * (r["decode"] if decode_s is None else decode_s)
     endpoint = mean(rows, f"time/{ENDPOINT_PHASES[method]}") if method in ENDPOINT_PHASES else 0.0
     return {"teacher_s": teacher, "generate_s": generate, "endpoint_s": endpoint,
             "unavoidable_s": teacher + generate + endpoint, "teacher_tokens": teacher_tok,
             "reflection_tokens": refl_tok, "extra_gen_tokens": extra_gen, "extra_prompt_tokens": extra_read}
+
+
+def at(points: list[list[float]], x: float) -> float:
+    """A measured curve [[context, seconds per token], ...] at x: linear through the two nearest points (beyond the
+    ends, through the two end points)."""
+    pts = sorted(points)
+    if len(pts) == 1:
+        return pts[0][1]
+    i = min(max(bisect.bisect_left([p[0] for p in pts], x), 1), len(pts) - 1)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def decode_contexts(out: str) -> list[int]:
+    """Where `calibrate` times decoding: GRPO's rollout turns, and each method's generation outside rollouts."""
+    rows = {m: update_rows(out, m) for m in METHODS}
+    ctx = [lengths(rows["grpo"])["rollout_decode_context"]] + [
+        lengths(rs)["decode_context"] for m, rs in rows.items() if m != "grpo" and price(m, rs, rows["grpo"])[
+            "extra_gen_tokens"] > 0]
+    return sorted({round(c) for c in ctx if c > 0})
+
+
+def calibrate(model_dir: str, contexts: list[int], rows: int, new: int = 64, repeats: int = 3) -> dict:
+    """Full-batch decoding of the start θ_sft, timed in this process (best of `repeats`): the seconds per decoded
+    token at context C when all `rows` rows decode, = (generate(new + 1 tokens) − generate(1 token)) / (rows · new)
+    on prompts of C − new/2 tokens, sampled as HFEngine samples, with min_new_tokens so no row stops early. The
+    engine's throughput without lock-step waste (rows that finished but still step) or small batches."""
+    tok, model = C.load_tokenizer(model_dir), C.load_model(model_dir, seed=0).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+
+    def seconds(x: torch.Tensor, k: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
+                       do_sample=True, top_k=0, repetition_penalty=1.0, pad_token_id=tok.pad_token_id)
+        return time.perf_counter() - t0
+
+    points = []
+    for c in contexts:
+        x = torch.randint(len(tok), (rows, max(c - new // 2, 1)), generator=g)
+        steps, first = (min(seconds(x, k) for _ in range(repeats)) for k in (new + 1, 1))
+        points.append([c, (steps - first) / (rows * new)])
+    return {"decode": points, "rows": rows, "new_tokens": new}
 
 
 def paired_spread(rows: list[dict], grpo: list[dict]) -> float:
@@ -138,13 +214,21 @@ def paired_spread(rows: list[dict], grpo: list[dict]) -> float:
     return (sum((x - m) ** 2 for x in diffs) / (len(diffs) - 1)) ** 0.5 if len(diffs) > 1 else 0.0
 
 
-def report(out: str) -> tuple[str, dict]:
-    rows = {m: update_rows(os.path.join(out, m)) for m in METHODS}
+def same_rollouts(rows: list[dict], grpo: list[dict]) -> int:
+    """Rounds whose rollouts read and wrote exactly GRPO's token counts (same weights and seed: same trajectories)."""
+    keys = ("perf/rollout_prompt_tokens", "perf/rollout_gen_tokens")
+    return sum(all(a.get(k) == b.get(k) for k in keys) for a, b in zip(rows, grpo))
+
+
+def report(out: str, cal: dict | None = None) -> tuple[str, dict]:
+    """The table (markdown) and its numbers; with a calibration (`calibrate`) also the own phases over their price
+    at full-batch decoding."""
+    rows = {m: update_rows(out, m) for m in METHODS}
     base = per_update(rows["grpo"])
     phases = [p for p in PHASES if any(f"time/{p}" in r for rs in rows.values() for r in rs)]
     head = ["method", "updates"] + [f"{p}" for p in phases] + [
         "rollout gen / env", "padding", "s/update", "× GRPO", "extra s (± sd)", "unavoidable s",
-        "extra / unavoidable", "own phases s", "own / unavoidable"]
+        "extra / unavoidable", "own phases s", "own / unavoidable", "own / unavoidable at full-batch decode"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     summary = {}
     for m in METHODS:
@@ -156,25 +240,33 @@ def report(out: str) -> tuple[str, dict]:
                   f"{mean(rs, 'perf/padding_frac'):.1%}", f"{total:.2f}", f"{total / base:.2f}×"]
         summary[m] = {"s_per_update": total, "x_grpo": total / base}
         if m == "grpo":
-            cells += ["–"] * 5
+            cells += ["–"] * 6
         else:
             p = price(m, rs, rows["grpo"])
+            full = price(m, rs, rows["grpo"], at(cal["decode"], lengths(rs)["decode_context"])) if cal else p
             extra, spread = total - base, paired_spread(rs, rows["grpo"])
             summary[m].update(p, extra_s=extra, extra_sd=spread, extra_over_unavoidable=extra / p["unavoidable_s"]
                               if p["unavoidable_s"] > 0 else None)
             own = sum(mean(rs, f"time/{q}") for q in OWN_PHASES)
-            summary[m].update(own_s=own)
-            ratio, own_ratio = (f"{x / p['unavoidable_s']:.2f}" if p["unavoidable_s"] > 0 else "–"
-                                for x in (extra, own))
+            summary[m].update(own_s=own, same_rollouts=same_rollouts(rs, rows["grpo"]), lengths=lengths(rs),
+                              unavoidable_full_batch_s=full["unavoidable_s"])
+            ratio, own_ratio, own_full = (f"{x / u:.2f}" if u > 0 else "–" for x, u in (
+                (extra, p["unavoidable_s"]), (own, p["unavoidable_s"]), (own, full["unavoidable_s"])))
             cells += [f"{extra:.2f} ± {spread:.2f}", f"{p['unavoidable_s']:.2f} (scored {p['teacher_s']:.2f}, "
                       f"generate {p['generate_s']:.2f}, endpoint {p['endpoint_s']:.2f})", ratio, f"{own:.2f}",
-                      own_ratio]
+                      own_ratio, own_full if cal else "–"]
         lines.append("| " + " | ".join(cells) + " |")
-    r = rates(rows["grpo"])
+    r, ctx = rates(rows["grpo"]), lengths(rows["grpo"])["rollout_decode_context"]
     work = ["", f"GRPO's rates, ms per token: no-grad forward {1e3 * r['score']:.4f}, training forward + backward "
-            f"{1e3 * r['train']:.4f}, decode {1e3 * r['decode']:.3f}", "",
+            f"{1e3 * r['train']:.4f}, decode {1e3 * r['decode']:.3f} (its rollout turns, mean context {ctx:.0f})."]
+    if cal:
+        work += ["", f"Full-batch decode, ms per token ({cal['rows']} rows all decoding, θ_sft, by context): " +
+                 ", ".join(f"{x:.0f}: {1e3 * y:.3f}" for x, y in cal["decode"]) +
+                 f". GRPO's rollout decodes at {r['decode'] / at(cal['decode'], ctx):.1f}× the full-batch cost."]
+    work += ["",
             "| method | teacher tokens | reflection tokens (scored + trained) | prompt tokens read outside rollouts | "
-            "tokens generated outside rollouts | signal |", "|---|---|---|---|---|---|"]
+            "tokens generated outside rollouts | mean lengths: teacher, prompt outside rollouts | "
+            "rounds with GRPO's rollouts | signal |", "|---|---|---|---|---|---|---|---|"]
     signal = {"grpo": "–", "seed": "skills/valid_rate", "opid": "analyzer/parsed_frac",
               "grsd": "guidance/active_groups"}
     for m in METHODS:
@@ -185,7 +277,9 @@ def report(out: str) -> tuple[str, dict]:
             sig += f", reflection/valid_rate {mean(rs, 'reflection/valid_rate'):.2f}"
         work.append(f"| {m} | {mean(rs, 'perf/teacher_tokens'):.0f} | {mean(rs, 'perf/reflection_tokens'):.0f} | "
                     f"{mean(rs, 'perf/prompt_tokens') - mean(rs, 'perf/rollout_prompt_tokens'):.0f} | "
-                    f"{mean(rs, 'perf/generated_tokens') - mean(rs, 'perf/rollout_gen_tokens'):.0f} | {sig} |")
+                    f"{mean(rs, 'perf/generated_tokens') - mean(rs, 'perf/rollout_gen_tokens'):.0f} | "
+                    f"{lengths(rs)['teacher']:.0f}, {lengths(rs)['prompt']:.0f} | "
+                    f"{same_rollouts(rs, rows['grpo'])}/{len(rs)} | {sig} |")
     return "\n".join(lines + work), summary
 
 
@@ -215,27 +309,30 @@ def main(argv_=None):
     start = os.path.join(a.out, "start")
     t0 = time.time()
     # 2. the shared start: SEED's stage 1 (its one update is not part of the comparison)
-    sft = dict(shared, model="tiny", out_dir=start, updates=1, annotator_url=url, annotator_model="oracle",
+    sft = dict(shared, model="tiny", seed=0, out_dir=start, updates=1, annotator_url=url, annotator_model="oracle",
                annotator_max_tokens=48, sft_tasks=2 * a.tasks, sft_rollouts=a.group, sft_lr=3e-3,
                sft_epochs=a.sft_epochs, sft_batch=8)
     secs = run(argv("seed.py", sft, ["--overwrite"]), os.path.join(a.out, "start.log"), a.threads)
     print(f"[bench] shared start (SEED stage 1) in {secs:.0f} s: {start}/stage1", flush=True)
     model = os.path.join(start, "stage1")
-    # 3. rounds: every method one more update, the order rotated
+    # 3. rounds: every method one update from θ_sft with the round's seed, the order rotated
     for r in range(a.rounds):
         for k in range(len(METHODS)):
             m = METHODS[(r + k) % len(METHODS)]
             script, own, switches = method_flags(m, url)
-            flags = dict(shared, **own, model=model, out_dir=os.path.join(a.out, m), updates=r + 1)
-            secs = run(argv(script, flags, switches + (["--resume"] if r else ["--overwrite"])),
-                       os.path.join(a.out, f"{m}.log"), a.threads)
+            flags = dict(shared, **own, model=model, seed=r, out_dir=round_dir(a.out, m, r), updates=1)
+            secs = run(argv(script, flags, switches + ["--overwrite"]), os.path.join(a.out, f"{m}.log"), a.threads)
             print(f"[bench] round {r + 1}/{a.rounds} {m}: {secs:.0f} s (process)", flush=True)
     server.shutdown()
-    text, summary = report(a.out)
+    # 4. full-batch decoding at the contexts of the priced generation, on θ_sft, in this process
+    torch.set_num_threads(a.threads)
+    cal = calibrate(model, decode_contexts(a.out), rows=a.tasks * a.group)
+    text, summary = report(a.out, cal)
     with open(os.path.join(a.out, "bench.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(a.out, "bench.json"), "w") as f:
-        json.dump({"settings": shared, "rounds": a.rounds, "threads": a.threads, "oracle": oracle.stats,
+        json.dump({"settings": shared, "rounds": a.rounds, "threads": a.threads, "calibration": cal,
+                   "oracle": oracle.stats,
                    "wall_s": time.time() - t0, "methods": summary}, f, indent=1)
     print(text)
     print(f"[bench] {time.time() - t0:.0f} s; oracle {dict(sorted(oracle.stats.items()))}; wrote {a.out}/bench.md, "

@@ -259,7 +259,8 @@ class HFEngine:
         self.model = model.to(device).eval().requires_grad_(False)
         self.tok, self.device, self.gen_batch = tok, device, gen_batch
         self.stops = stop_token_ids(tok)
-        self.generated = self.prompted = 0  # tokens sampled / prompt tokens read so far, every role (logged per update)
+        self.generated = self.prompted = self.prompts = 0  # tokens sampled / prompt tokens read / prompts so far,
+        # every role (logged per update)
 
     @torch.no_grad()
     def sync(self, fsdp_model):
@@ -286,6 +287,7 @@ class HFEngine:
                 out.append(row[:cut])
         self.generated += sum(map(len, out))
         self.prompted += sum(map(len, prompts))
+        self.prompts += len(prompts)
         return out
 
     def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
@@ -333,7 +335,7 @@ class VLLMEngine(HFEngine):
         from vllm import LLM
         self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
         self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
-        self.generated = self.prompted = 0
+        self.generated = self.prompted = self.prompts = 0
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         if name == "tiny":  # vLLM loads models from a directory: every rank writes the in-process tiny model to
             from safetensors.torch import save_model  # its own (save_pretrained writes on rank 0 only)
@@ -401,6 +403,7 @@ class VLLMEngine(HFEngine):
         ids = [list(o.outputs[0].token_ids) for o in outs]
         self.generated += sum(map(len, ids))
         self.prompted += sum(map(len, prompts))
+        self.prompts += len(prompts)
         logps = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, r)] for o, r in zip(outs, ids)]
         return ids, logps
 
@@ -512,7 +515,8 @@ class CollectStats:
     bad_replies: int = 0         # ... or an answer that breaks the /retrieve contract (also a failure text)
     retriever: str = ""          # which retriever (URL or BM25 corpus), for the warning line
     gen_tokens: int = 0          # tokens the policy sampled for its turns,
-    prompt_tokens: int = 0       # ... and the prompt tokens it read for them,
+    prompt_tokens: int = 0       # ... the prompt tokens it read for them,
+    turns: int = 0               # ... and the number of turns (prompts),
     gen_seconds: float = 0.0     # wall seconds in engine.sample (the policy's turns),
     env_seconds: float = 0.0     # ... in env resets and steps (and the bookkeeping between them)
 
@@ -524,11 +528,13 @@ class CollectStats:
         if s[2] and s[3] + s[4] == s[2]:
             total_failure(f"search: all {int(s[2])} retrievals from {self.retriever} failed this update "
                           f"({int(s[4])} bad replies): the agent saw failure texts instead of documents", require, d)
-        seconds = global_sum([self.gen_seconds, self.env_seconds, self.gen_tokens, self.prompt_tokens], d.device)
+        seconds = global_sum([self.gen_seconds, self.env_seconds, self.gen_tokens, self.prompt_tokens, self.turns],
+                             d.device)
         return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
                 "search/retrieval_failures": s[3], "search/bad_replies": s[4],
                 "time/rollout_generation": seconds[0] / d.world, "time/rollout_env": seconds[1] / d.world,
-                "perf/rollout_gen_tokens": seconds[2], "perf/rollout_prompt_tokens": seconds[3]}
+                "perf/rollout_gen_tokens": seconds[2], "perf/rollout_prompt_tokens": seconds[3],
+                "perf/rollout_turns": seconds[4]}
 
 
 @dataclass
@@ -671,6 +677,7 @@ def collect(engine: HFEngine, make_env, task_ids: list[str], n: int, max_prompt:
         stats.gen_seconds += time.perf_counter() - t0
         stats.gen_tokens += sum(map(len, responses))
         stats.prompt_tokens += sum(len(ids) for ids, _ in encoded)
+        stats.turns += len(encoded)
         logps = logps or [None] * len(responses)
         replies = [engine.tok.decode(resp, skip_special_tokens=True) for resp in responses]
         t0 = time.perf_counter()
@@ -779,6 +786,22 @@ def padding_metrics(d: Dist) -> dict:
 def sample_tokens(prompts: list[list[int]], responses: list[list[int]], d: Dist) -> float:
     """Σ (prompt + response) tokens over all ranks: what a scoring pass over these samples must compute."""
     return global_sum([sum(len(p) + len(r) for p, r in zip(prompts, responses))], d.device)[0]
+
+
+def engine_work(engine) -> tuple[int, int, int]:
+    """The engine's running counts: tokens sampled, prompt tokens read, prompts answered (every role)."""
+    return engine.generated, engine.prompted, engine.prompts
+
+
+def engine_metrics(engine, start: tuple[int, int, int], d: Dist) -> dict:
+    """What the engine did since `start` (an engine_work snapshot), summed over all ranks."""
+    gen, read, n = global_sum([now - then for now, then in zip(engine_work(engine), start)], d.device)
+    return {"perf/generated_tokens": gen, "perf/prompt_tokens": read, "perf/prompts": n}
+
+
+def sample_count(samples: list, d: Dist) -> float:
+    """Σ samples over all ranks (with sample_tokens: their mean length, which bench.py prices by)."""
+    return global_sum([len(samples)], d.device)[0]
 
 
 DUMMY = ([0], [0])  # a 2-token micro-batch for ranks that have run out of real samples (its loss is scaled by 0)

@@ -550,6 +550,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok,
             **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
             "perf/teacher_tokens": C.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d),
+            "perf/teacher_seqs": C.sample_count(rows, d),
             "perf/reflection_tokens": C.sample_tokens([RP[j] for j in live], [RR[j] for j in live], d)}  # scored+trained
 
 
@@ -572,7 +573,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
-        timer, t0, read, generated = C.Timer(), time.perf_counter(), engine.prompted, engine.generated
+        timer, t0, work = C.Timer(), time.perf_counter(), C.engine_work(engine)
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.1
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)
@@ -601,8 +602,7 @@ def main(args: Args):
                     **C.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row["perf/generated_tokens"], row["perf/prompt_tokens"] = C.global_sum(  # every role
-            [engine.generated - generated, engine.prompted - read], d.device)
+        row.update(C.engine_metrics(engine, work, d))  # every role
         row.update(C.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

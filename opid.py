@@ -592,6 +592,7 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     keys = sorted(sums)
     tot = Counter(dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device))))
     n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
+    taught = [s for s in samples if s.teacher_ids] if args.lambda_skill > 0 else []  # what l.19 scored
     return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb,
             "losses/total": (tot["pg"] + args.beta_kl * tot["kl"]) / n_mb,
             "adv/episode_abs": tot["ep_abs"] / n_all,          # Fig. 8: mean |A_ep| over valid tokens
@@ -601,9 +602,8 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "skill/token_frac": tot["skill_tokens"] / n_all,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
             **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
-            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in samples if s.teacher_ids],
-                                                   [s.response_ids for s in samples if s.teacher_ids], d)
-            if args.lambda_skill > 0 else 0.0}
+            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
+            "perf/teacher_seqs": C.sample_count(taught, d)}
 
 
 def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> dict:
@@ -643,7 +643,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
-        timer, t0, read, generated = C.Timer(), time.perf_counter(), engine.prompted, engine.generated
+        timer, t0, work = C.Timer(), time.perf_counter(), C.engine_work(engine)
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.3: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.4
@@ -664,8 +664,7 @@ def main(args: Args):
         row.update({"adv/tied_group_frac": n_zero / max(n_grp, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row["perf/generated_tokens"], row["perf/prompt_tokens"] = C.global_sum(  # every role
-            [engine.generated - generated, engine.prompted - read], d.device)
+        row.update(C.engine_metrics(engine, work, d))  # every role
         row.update(C.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

@@ -560,7 +560,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update:
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
             **rlsd, **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
-            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d)}
+            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
+            "perf/teacher_seqs": C.sample_count(taught, d)}
 
 
 def load_library(path: str) -> list[dict]:
@@ -643,7 +644,7 @@ def main(args: Args):
         C.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG
 
     for update in range(run.start, args.updates):
-        timer, t0, read, generated = C.Timer(), time.perf_counter(), engine.prompted, engine.generated
+        timer, t0, work = C.Timer(), time.perf_counter(), C.engine_work(engine)
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.5: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
@@ -668,8 +669,7 @@ def main(args: Args):
                     "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row["perf/generated_tokens"], row["perf/prompt_tokens"] = C.global_sum(  # every role
-            [engine.generated - generated, engine.prompted - read], d.device)
+        row.update(C.engine_metrics(engine, work, d))  # every role
         row.update(C.validate(update, args, engine, policy, evals, d, timer, eval_context))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()

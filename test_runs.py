@@ -367,14 +367,21 @@ def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
     info = json.loads((out / "bench.json").read_text())
     m = info["methods"]
     assert m["grpo"]["x_grpo"] == 1.0 and all(m[k]["s_per_update"] > 0 for k in ("grpo", "seed", "opid", "grsd"))
-    rows = {k: [json.loads(x) for x in (out / k / "metrics.jsonl").read_text().splitlines()] for k in m}
+    rows = {k: [json.loads(x) for x in (out / k / "round0" / "metrics.jsonl").read_text().splitlines()] for k in m}
     assert all(len(r) == 1 and r[0]["update"] == 0 for r in rows.values())  # one alternated round
+    for k in ("seed", "opid", "grsd"):  # same start, same seed: GRPO's very rollouts (so the totals compare)
+        assert m[k]["same_rollouts"] == 1 and all(rows[k][0][x] == rows["grpo"][0][x] for x in (
+            "perf/rollout_turns", "perf/rollout_prompt_tokens", "perf/rollout_gen_tokens"))
+    assert rows["opid"][0]["perf/teacher_seqs"] == rows["opid"][0]["perf/rollout_turns"] > 0  # every turn taught
+    cal = info["calibration"]["decode"]  # full-batch decoding timed at GRPO's and SEED's / GRSD's mean contexts
+    assert [x for x, _ in cal] == sorted({round(m[k]["lengths"]["decode_context"]) for k in ("seed", "grsd")} | {
+        round(m["seed"]["lengths"]["rollout_decode_context"])}) and all(y > 0 for _, y in cal)
     assert rows["opid"][0]["analyzer/parsed_frac"] == 1 and m["opid"]["teacher_tokens"] == \
         rows["opid"][0]["perf/teacher_tokens"] > 0 and m["opid"]["teacher_s"] > 0
     assert rows["grpo"][0]["perf/teacher_tokens"] == 0 and rows["grpo"][0]["losses/opd"] == 0
     g = rows["grpo"][0]  # GRPO reads and writes nothing outside its rollouts
     assert g["perf/generated_tokens"] == g["perf/rollout_gen_tokens"] > 0 and \
-        g["perf/prompt_tokens"] == g["perf/rollout_prompt_tokens"] > 0
+        g["perf/prompt_tokens"] == g["perf/rollout_prompt_tokens"] > 0 and g["perf/prompts"] == g["perf/rollout_turns"]
     for k in ("seed", "grsd"):  # the policy as analyzer / reflector: prompts read and tokens generated, priced
         r = rows[k][0]
         assert m[k]["extra_gen_tokens"] == r["perf/generated_tokens"] - r["perf/rollout_gen_tokens"] > 0 and \
@@ -383,11 +390,12 @@ def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
     assert info["oracle"]["requests/seed"] > 0 and info["oracle"]["requests/opid"] == 4 == rows["opid"][0][
         "endpoint/analyzer/requests"]  # stage 1; OPID: one request per trajectory (2 tasks x 2 rollouts)
     table = (out / "bench.md").read_text()
+    assert 0 < m["seed"]["unavoidable_full_batch_s"] and "own / unavoidable at full-batch decode" in table
     assert table.startswith("| method | updates |") and "| opid | 1 |" in table
 
 
 def test_bench_prices_unavoidable_work_at_grpos_rates():
-    """bench.rates / price on hand-made rows: GRPO computes 3 passes of 3,000 tokens at 10 % padding (2,700 real
+    """bench.rates / lengths / price on hand-made rows: GRPO computes 3 passes of 3,000 tokens at 10 % padding (2,700 real
     each); scoring (2 passes) 1.08 s → 0.2 ms per real token; update 2.7 s → 1 ms; rollout generation 3 s, of which
     5,000 prompt tokens of prefill are 1 s → decode (3 − 1) s / 500 tokens = 4 ms."""
     grpo = [{"perf/padding_frac": 0.1, "perf/forward_tokens": 9000, "time/scoring": 1.08, "time/update": 2.7,
@@ -403,6 +411,17 @@ def test_bench_prices_unavoidable_work_at_grpos_rates():
     assert p["teacher_s"] == pytest.approx(1000 * 2e-4 + 100 * (2e-4 + 1e-3))  # 0.32 s
     assert p["generate_s"] == pytest.approx(2000 * 2e-4 + 50 * 4e-3)            # 0.6 s
     assert p["unavoidable_s"] == pytest.approx(0.32 + 0.6 + 0.3)
+    # at a full-batch decode rate: GRSD's 4 reflection prompts (14 prompts − 10 rollout turns) read 2,000 tokens
+    # and write 50: mean prompt 500, mean decode context 500 + 12.5 / 2; GRPO's turns decode at (5,000 + 500/2) / 10
+    grpo[0]["perf/rollout_turns"] = 10
+    row[0].update({"perf/teacher_seqs": 2, "perf/rollout_turns": 10, "perf/prompts": 14})
+    assert bench.lengths(row) == {"teacher": 500, "prompt": 500, "decode_context": 506.25,
+                                  "rollout_decode_context": (4000 + 400 / 2) / 10}
+    assert bench.lengths(grpo)["rollout_decode_context"] == 525
+    full = bench.price("grsd", row, grpo, decode_s=bench.at([[500, 1e-3], [525, 2e-3]], 506.25))  # 1.25 ms
+    assert full["generate_s"] == pytest.approx(2000 * 2e-4 + 50 * 1.25e-3)
+    assert bench.at([[1, 1.0], [3, 5.0], [4, 5.0]], 2) == 3 and bench.at([[1, 1.0], [3, 5.0]], 5) == 9 and \
+        bench.at([[7, 2.0]], 100) == 2  # between, beyond the end, one point
     times = [{"time/total": t, "time/save": 0.5} for t in (11.0, 12.0, 13.0)]
     base = [{"time/total": t, "time/save": 0.5} for t in (10.0, 10.0, 11.0)]
     assert bench.paired_spread(times, base) == pytest.approx(3 ** -0.5)  # differences 1, 2, 2: sd √(1/3)
