@@ -819,23 +819,21 @@ def chunk(indices: list[int], size: int) -> list[list[int]]:
 def micro_batches(indices: list[int], prompts: list[list[int]], responses: list[list[int]], rows: int,
                   max_tokens: int) -> list[list[int]]:
     """Split `indices` (one mini-batch, or a whole scoring pass) into forward micro-batches. max_tokens = 0: fixed
-    chunks of `rows` in the given order. Else length-aware (--micro_batch_tokens): longest first, each micro-batch
-    filled while rows × (longest prompt + longest response) stays ≤ max_tokens and it has ≤ `rows` rows (a sample
-    over the budget gets a micro-batch of its own). That product bounds the padded size sequence_logprobs computes
-    (rows × its longest prompt + response) from above, so the budget is never exceeded. Only the
-    grouping changes: every loss is normalised by its mini-batch's global counts, so the gradient is the same."""
+    chunks of `rows` in the given order. Else length-aware (--micro_batch_tokens): longest prompt + response first,
+    each micro-batch filled while rows × its width stays ≤ max_tokens and it has ≤ `rows` rows (a sample over the
+    budget gets a micro-batch of its own). Its width is its first (longest) sample's length: sequence_logprobs
+    right-aligns every sequence, so that is exactly the padded size it computes. Only the grouping changes: every
+    loss is normalised by its mini-batch's global counts, so the gradient is the same."""
     if not max_tokens:
         return chunk(indices, rows)
     order = sorted(indices, key=lambda i: (len(prompts[i]) + len(responses[i]), i), reverse=True)
-    out, P, R = [], 0, 0
+    out, width = [], 0
     for i in order:
-        p, r = max(P, len(prompts[i])), max(R, len(responses[i]))
-        if out and len(out[-1]) < rows and (len(out[-1]) + 1) * (p + r) <= max_tokens:
+        if out and len(out[-1]) < rows and (len(out[-1]) + 1) * width <= max_tokens:
             out[-1].append(i)
-            P, R = p, r
         else:
             out.append([i])
-            P, R = len(prompts[i]), len(responses[i])
+            width = len(prompts[i]) + len(responses[i])
     return out
 
 

@@ -198,11 +198,15 @@ def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_paddin
 
 
 def test_length_aware_micro_batches_by_hand():
-    """Longest first; a micro-batch grows while rows × (longest prompt + longest response) ≤ the budget and it has
-    ≤ rows rows. Lengths (p, r): 0 (5, 1), 1 (3, 4), 2 (8, 2), 3 (2, 1). Budget 20: [2] (10), then [1] (7) + 0 →
-    2 × (5 + 4) = 18, + 3 → 3 × 9 = 27 > 20: [3]. 0 = fixed chunks of `rows` in the given order."""
+    """Longest first; a micro-batch grows while rows × its width (its first, longest prompt + response: the
+    right-aligned layout) ≤ the budget and it has ≤ rows rows. Lengths (p, r): 0 (5, 1) = 6, 1 (3, 4) = 7, 2 (8, 2)
+    = 10, 3 (2, 1) = 3. Budget 20: [2] + 1 → 2 × 10 = 20, + 0 → 30 > 20; [0] + 3 → 2 × 6 = 12. Budget 19: [2] alone
+    (2 × 10 > 19), [1] + 0 → 14, + 3 → 21 > 19: [3]. 0 = fixed chunks of `rows` in the given order."""
     P, R = [[0] * 5, [0] * 3, [0] * 8, [0] * 2], [[0], [0] * 4, [0] * 2, [0]]
-    assert C.micro_batches([0, 1, 2, 3], P, R, rows=3, max_tokens=20) == [[2], [1, 0], [3]]
+    assert C.micro_batches([0, 1, 2, 3], P, R, rows=3, max_tokens=20) == [[2, 1], [0, 3]]
+    assert C.micro_batches([0, 1, 2, 3], P, R, rows=3, max_tokens=19) == [[2], [1, 0], [3]]
+    for mb in C.micro_batches([0, 1, 2, 3], P, R, rows=3, max_tokens=20):  # the width sequence_logprobs computes
+        assert len(mb) * max(len(P[i]) + len(R[i]) for i in mb) <= 20
     assert C.micro_batches([0, 1, 2, 3], P, R, rows=1, max_tokens=100) == [[2], [1], [0], [3]]
     assert C.micro_batches([0, 1, 2, 3], P, R, rows=4, max_tokens=100) == [[2, 1, 0, 3]]
     assert C.micro_batches([3, 0, 1, 2], P, R, rows=3, max_tokens=0) == [[3, 0, 1], [2]]
