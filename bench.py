@@ -178,9 +178,9 @@ def at(points: list[list[float]], x: float) -> float:
 def decode_contexts(out: str) -> list[int]:
     """Where `calibrate` times decoding: GRPO's rollout turns, and each method's generation outside rollouts."""
     rows = {m: update_rows(out, m) for m in METHODS}
-    ctx = [lengths(rows["grpo"])["rollout_decode_context"]] + [
-        lengths(rs)["decode_context"] for m, rs in rows.items() if m != "grpo" and price(m, rs, rows["grpo"])[
-            "extra_gen_tokens"] > 0]
+    ctx = [lengths(rows["grpo"])["rollout_decode_context"]] + [  # + SEED's analyses, GRSD's reflections
+        lengths(rs)["decode_context"] for rs in rows.values()
+        if mean(rs, "perf/generated_tokens") > mean(rs, "perf/rollout_gen_tokens")]
     return sorted({round(c) for c in ctx if c > 0})
 
 
@@ -332,8 +332,7 @@ def main(argv_=None):
         f.write(text + "\n")
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump({"settings": shared, "rounds": a.rounds, "threads": a.threads, "calibration": cal,
-                   "oracle": oracle.stats,
-                   "wall_s": time.time() - t0, "methods": summary}, f, indent=1)
+                   "oracle": oracle.stats, "wall_s": time.time() - t0, "methods": summary}, f, indent=1)
     print(text)
     print(f"[bench] {time.time() - t0:.0f} s; oracle {dict(sorted(oracle.stats.items()))}; wrote {a.out}/bench.md, "
           f"bench.json")
