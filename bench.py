@@ -1,7 +1,7 @@
 """Cost of SEED, OPID and GRSD against GRPO, measured in one invocation (GRSD Table 6 reports s/update ratios).
 
   python bench.py                                                  # household, offline tiny model, 5 rounds
-  python bench.py --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 3 --out runs/bench_alfworld
+  python bench.py --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 --out runs/bench_alfworld
   python bench.py --smoke                                          # 1 round, tiny settings (what CI runs)
 
 1. An endpoint: experiment.py's oracle, an OpenAI-compatible HTTP server on localhost, plays SEED's stage-1
