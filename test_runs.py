@@ -382,8 +382,10 @@ def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
     g = rows["grpo"][0]  # GRPO reads and writes nothing outside its rollouts
     assert g["perf/generated_tokens"] == g["perf/rollout_gen_tokens"] > 0 and \
         g["perf/prompt_tokens"] == g["perf/rollout_prompt_tokens"] > 0 and g["perf/prompts"] == g["perf/rollout_turns"]
+    assert g["perf/rollout_turns"] == g["charts/episode_length"] * 4 > 0  # a prompt per turn of 2 tasks x 2 rollouts
     for k in ("seed", "grsd"):  # the policy as analyzer / reflector: prompts read and tokens generated, priced
         r = rows[k][0]
+        assert r["perf/prompts"] - r["perf/rollout_turns"] == 4  # one analysis / reflection per trajectory
         assert m[k]["extra_gen_tokens"] == r["perf/generated_tokens"] - r["perf/rollout_gen_tokens"] > 0 and \
             m[k]["extra_prompt_tokens"] == r["perf/prompt_tokens"] - r["perf/rollout_prompt_tokens"] > 0 and \
             m[k]["generate_s"] > 0
@@ -395,9 +397,9 @@ def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
 
 
 def test_bench_prices_unavoidable_work_at_grpos_rates():
-    """bench.rates / lengths / price on hand-made rows: GRPO computes 3 passes of 3,000 tokens at 10 % padding (2,700 real
-    each); scoring (2 passes) 1.08 s → 0.2 ms per real token; update 2.7 s → 1 ms; rollout generation 3 s, of which
-    5,000 prompt tokens of prefill are 1 s → decode (3 − 1) s / 500 tokens = 4 ms."""
+    """bench.rates / lengths / price on hand-made rows: GRPO computes 3 passes of 3,000 tokens at 10 % padding
+    (2,700 real each); scoring (2 passes) 1.08 s → 0.2 ms per real token; update 2.7 s → 1 ms; rollout generation
+    3 s, of which 5,000 prompt tokens of prefill are 1 s → decode (3 − 1) s / 500 tokens = 4 ms."""
     grpo = [{"perf/padding_frac": 0.1, "perf/forward_tokens": 9000, "time/scoring": 1.08, "time/update": 2.7,
              "time/rollout_generation": 3.0, "perf/rollout_prompt_tokens": 5000, "perf/rollout_gen_tokens": 500}]
     r = bench.rates(grpo)
