@@ -66,8 +66,10 @@ import torch
 from torch.distributed import ReduceOp
 
 import common as C
+import harness
+import models
 import envs
-from common import arg
+from harness import arg
 
 GUIDANCE_MODES = ("group", "none", "unaggregated", "success_only")
 MODULATIONS = ("turn", "token", "trajectory")
@@ -141,14 +143,14 @@ class Args:
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
     eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
-                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", C.EVAL_SPLITS)
+                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", harness.EVAL_SPLITS)
     eval_temperature: float = arg(0.6, "validation sampling temperature (paper 0.6)")
     save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
     # The run directory (common.Run)
     resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
     overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
     eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
-    track: str = arg("none", "also send every metrics row to this tracker", C.TRACKERS)
+    track: str = arg("none", "also send every metrics row to this tracker", harness.TRACKERS)
 
 
 PAPER = {  # §4.1, App. C
@@ -165,7 +167,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, ma
 
 
 def resolve(args: Args) -> Args:
-    C.check_choices(args, Args)
+    harness.check_choices(args, Args)
     if args.lambda_mod < 0 or args.g_hat <= 0 or args.lambda_mod * args.g_hat >= 1:
         raise SystemExit(f"GRSD needs λ ≥ 0, Ĝ > 0 and λĜ < 1 so that no turn weight can flip the sign of A "
                          f"(Eq. 11, Prop. 2); got λ = {args.lambda_mod}, Ĝ = {args.g_hat}, λĜ = "
@@ -187,7 +189,7 @@ def resolve(args: Args) -> Args:
         args.bf16 = torch.cuda.is_available()
     if args.grad_ckpt is None:
         args.grad_ckpt = torch.cuda.is_available()
-    C.check_run_args(args)  # tracker, counts, out_dir: before anything loads
+    harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
 
@@ -548,32 +550,32 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
             "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok,
-            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
-            "perf/teacher_tokens": C.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d),
-            "perf/teacher_seqs": C.sample_count(rows, d),
-            "perf/reflection_tokens": C.sample_tokens([RP[j] for j in live], [RR[j] for j in live], d)}  # scored+trained
+            **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
+            "perf/teacher_tokens": harness.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d),
+            "perf/teacher_seqs": harness.sample_count(rows, d),
+            "perf/reflection_tokens": harness.sample_tokens([RP[j] for j in live], [RR[j] for j in live], d)}  # scored+trained
 
 
 def main(args: Args):
     args = resolve(args)
-    d = C.init_distributed(args.seed)
-    tok = C.load_tokenizer(args.model)
-    train_ids, make_train, evals = C.task_envs(args)
+    d = models.init_distributed(args.seed)
+    tok = models.load_tokenizer(args.model)
+    train_ids, make_train, evals = harness.task_envs(args)
     if args.eval_only:
-        return C.shutdown(C.eval_only(args, "grsd", d, tok, evals))
-    run = C.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
-    client, seen = C.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
+        return models.shutdown(harness.eval_only(args, "grsd", d, tok, evals))
+    run = harness.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
+    client, seen = harness.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
 
     theta = run.state or args.model                                                                  # resumed θ
-    policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
-    ref = C.shard(C.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref
-    engine = C.make_engine(args, theta, tok, d)                     # θ_old = θ̄, pushed by sync()
+    policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
+    ref = models.shard(models.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref
+    engine = models.make_engine(args, theta, tok, d)                     # θ_old = θ̄, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
-        C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
+        harness.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
-        timer, t0, work = C.Timer(), time.perf_counter(), C.engine_work(engine)
+        timer, t0, work = harness.Timer(), time.perf_counter(), harness.engine_work(engine)
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.1
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)
@@ -599,15 +601,15 @@ def main(args: Args):
                     "guidance/mixed_outcome_ratio": s[8] / max(s[4], 1),       # groups with wins and losses
                     "reflection/truncated_prompts": s[9], "guidance/truncated_prompts": s[10],
                     "guidance/active_groups": s[6], "guidance/empty": s[7],
-                    **C.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
+                    **harness.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.engine_metrics(engine, work, d))  # every role
-        row.update(C.validate(update, args, engine, policy, evals, d, timer))
+        row.update(harness.engine_metrics(engine, work, d))  # every role
+        row.update(harness.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
-    C.shutdown(engine)
+    models.shutdown(engine)
 
 
 if __name__ == "__main__":
-    main(C.parse_args(Args, PAPER, TINY))
+    main(harness.parse_args(Args, PAPER, TINY))

@@ -62,8 +62,10 @@ from dataclasses import dataclass, field
 import torch
 
 import common as C
+import harness
+import models
 import envs
-from common import arg
+from harness import arg
 
 MODES = ("critical_first", "episode_only", "step_only", "additive")
 
@@ -131,14 +133,14 @@ class Args:
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
     eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
-                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", C.EVAL_SPLITS)
+                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", harness.EVAL_SPLITS)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
     save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
     # The run directory (common.Run)
     resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
     overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
     eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
-    track: str = arg("none", "also send every metrics row to this tracker", C.TRACKERS)
+    track: str = arg("none", "also send every metrics row to this tracker", harness.TRACKERS)
 
 
 PAPER = {  # B.4, Table 6, official scripts
@@ -157,7 +159,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, ma
 
 
 def resolve(args: Args) -> Args:
-    C.check_choices(args, Args)
+    harness.check_choices(args, Args)
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     if args.model == "tiny":
@@ -173,7 +175,7 @@ def resolve(args: Args) -> Args:
         args.bf16 = torch.cuda.is_available()
     if args.grad_ckpt is None:
         args.grad_ckpt = torch.cuda.is_available()
-    C.check_run_args(args)  # tracker, counts, out_dir: before anything loads
+    harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
 
@@ -601,9 +603,9 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
             "skill/token_frac": tot["skill_tokens"] / n_all,
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
-            **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
-            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
-            "perf/teacher_seqs": C.sample_count(taught, d)}
+            **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
+            "perf/teacher_tokens": harness.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
+            "perf/teacher_seqs": harness.sample_count(taught, d)}
 
 
 def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> dict:
@@ -626,24 +628,24 @@ def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> di
 
 def main(args: Args):
     args = resolve(args)
-    d = C.init_distributed(args.seed)
-    tok = C.load_tokenizer(args.model)
-    train_ids, make_train, evals = C.task_envs(args)
+    d = models.init_distributed(args.seed)
+    tok = models.load_tokenizer(args.model)
+    train_ids, make_train, evals = harness.task_envs(args)
     if args.eval_only:
-        return C.shutdown(C.eval_only(args, "opid", d, tok, evals))
-    run = C.Run(args, "opid", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
-    client, seen = C.make_client(args.analyzer_url, args.analyzer_model, "analyzer", args), [0, 0]
+        return models.shutdown(harness.eval_only(args, "opid", d, tok, evals))
+    run = harness.Run(args, "opid", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
+    client, seen = harness.make_client(args.analyzer_url, args.analyzer_model, "analyzer", args), [0, 0]
 
     theta = run.state or args.model                                                                  # resumed θ
-    policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
-    ref = C.shard(C.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref, frozen
-    engine = C.make_engine(args, theta, tok, d)                     # rollout engine: θ_old, pushed by sync()
+    policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
+    ref = models.shard(models.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref, frozen
+    engine = models.make_engine(args, theta, tok, d)                     # rollout engine: θ_old, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
-        C.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
+        harness.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
-        timer, t0, work = C.Timer(), time.perf_counter(), C.engine_work(engine)
+        timer, t0, work = harness.Timer(), time.perf_counter(), harness.engine_work(engine)
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.3: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.4
@@ -659,17 +661,17 @@ def main(args: Args):
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         row = {"update": update, **opid_update(policy, ref, opt, samples, args, d, timer)}  # l.18-31
         row.update(analysis_metrics(trajs, analyses, events, routes, d))
-        row.update(C.endpoint_metrics(client, seen, d, args.require_endpoint))  # endpoint/analyzer/*
+        row.update(harness.endpoint_metrics(client, seen, d, args.require_endpoint))  # endpoint/analyzer/*
         n_zero, n_grp = C.global_sum([float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"adv/tied_group_frac": n_zero / max(n_grp, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.engine_metrics(engine, work, d))  # every role
-        row.update(C.validate(update, args, engine, policy, evals, d, timer))
+        row.update(harness.engine_metrics(engine, work, d))  # every role
+        row.update(harness.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
-    C.shutdown(engine)
+    models.shutdown(engine)
 
 
 if __name__ == "__main__":
-    main(C.parse_args(Args, PAPER, TINY))
+    main(harness.parse_args(Args, PAPER, TINY))

@@ -22,29 +22,9 @@ Run:
 Ablations (Table 2): --skip_sft (w/o hindsight-skill SFT), --lambda_opd 0 (w/o OPD: plain GRPO),
   --skill_source static (w/o on-policy skills: a fixed library of stage-1 skills).
 
-Baselines of Table 1 (SEED App. B.2, OPID App. B.2, GRSD §4.1; where they are short, the official SDAR code,
-ZJU-REAL/SDAR, a verl-agent fork that implements OPSD, GRPO+OPSD, Skill-SD, RLSD and SDAR). The README's recipe
-table gives each row's full command; ℓ_T is the log-prob of the sampled token with a retrieved library skill in
-the context (--skill_source library), ℓ_old that of θ_old, sg a stop-gradient:
-  Vanilla      the backbone, no training (--eval_only).
-  Skill-Prompt* Vanilla with the retrieved skill in the agent's context at evaluation (--eval_only --eval_with_skills).
-  GRPO         L_rl only (--skip_sft --lambda_opd 0).
-  Skill-GRPO   GRPO with the retrieved skill in the policy's own context in rollouts and updates, evaluated
-               without it (--train_with_skills); Skill-GRPO* evaluates that run's weights with it (--eval_with_skills).
-  OPSD         no RL term: λ · token-mean[σ(β sg Δ)(sg ℓ_T − ℓ_θ)] + β_KL KL, λ 0.01, β 5 (--pg_coef 0). The SDAR
-               code's variant (examples/opsd_trainer: "SDAR without GRPO loss"), not Zhao et al.'s full-vocabulary
-               JSD, whose numbers the tables do not report.
-  GRPO+OPSD    L_rl + λ · token-mean[0.5 (sg ℓ_T − ℓ_θ)]: the SDAR code runs SDAR with gate β = 0 (--beta_opd 0);
-               its gradient is that of L_rl − 0.5 λ mean ℓ_θ, whatever the teacher says.
-  Skill-SD     L_rl + 0.001 · token-mean[ρ · k3], e = ℓ_θ − sg ℓ_T, k3 = exp(−e) − 1 + e (−e ≤ 20 in the exp),
-               ρ = exp(min(ℓ_θ − ℓ_old, 10)) with gradient through ρ and k3 (SDAR code compute_sdl_loss; --distill sdl).
-  RLSD         no distillation loss: Â_t = A((1 − λ_t) + λ_t w_t), w_t = clip(exp(sign(A)(ℓ_T − ℓ_old)), 1 ± 0.2),
-               λ_t = 0.5 (1 − t/100) for update t = 1, 2, … then 0 (SDAR code compute_rlsd_token_advantage,
-               examples/rlsd_trainer; --rlsd_lambda 0.5).
-  SDAR         L_rl + λ · token-mean[σ(β sg Δ)(sg ℓ_T − ℓ_θ)], λ 0.01, β 5: Eq. (1) with a static skill library, no
-               stage 1, the teacher scored once per update with θ_old (--teacher_params old).
-  Every skill baseline's teacher is θ_old with a library skill, scored once per update before the mini-batches, as
-  in the SDAR code (RLSDRayTrainer._compute_teacher_log_probs); SEED's teacher is the current θ (Alg. 1 l.22).
+Baselines of Table 1 (OPSD, GRPO+OPSD, Skill-SD, RLSD, SDAR, Skill-GRPO, Skill-Prompt*) are flags of this
+script; their definitions and update (baseline_update, run when --teacher_params old) are in baselines.py,
+their commands in docs/baselines.md.
 
 Deviations / choices:
   * Without --annotator_url the stage-1 analyzer is the base policy itself (the paper uses GLM-5.2 at T = 0).
@@ -63,14 +43,11 @@ Deviations / choices:
   * Library retrieval (--skill_source library), as SDAR's SkillProvider does by task type: the library's general
     records (no "family") then those of the task's family (successful ones first when records say "won"), joined
     by newlines and cut to skill_max_tokens; the same text for every rollout of a task, in the teacher context and,
-    for Skill-GRPO / Skill-Prompt*, in the policy's own. SDAR prepends the raw skill text; H here puts it under a
-    one-line header (LIBRARY_HEADER) before the agent prompt, as for SEED's own skills.
-  * The SDAR code also adds an entropy bonus (0.001) and a dual clip (c = 3) to every baseline's RL term (verl
-    defaults); none of our three papers states them and this file has neither.
+    for Skill-GRPO / Skill-Prompt*, in the policy's own (baselines.retrieve_skill).
   * The reference policy π_ref is the stage-1 checkpoint (the base model when stage 1 is skipped).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (not stated in Table 5; verl defaults).
-  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; common.py,
-    README "Rollout engines"). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
+  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; models.py,
+    docs/engines.md). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
     engine's log-probs only feed the rollout/logp_diff_* metrics unless --rollout_is token|sequence (off by
     default) multiplies the advantage of the clipped surrogate by w = min(π_θold / π_engine, C).
 """
@@ -85,9 +62,12 @@ from dataclasses import dataclass
 
 import torch
 
+import baselines
 import common as C
 import envs
-from common import arg
+import harness
+import models
+from harness import arg
 
 
 DISTILL = ("opd", "sdl")
@@ -176,14 +156,14 @@ class Args:
     eval_every: int | None = arg(None, "validate every k updates (and after the last)")
     eval_tasks: int | None = arg(None, "held-out tasks per validation")
     eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
-                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", C.EVAL_SPLITS)
+                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", harness.EVAL_SPLITS)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
     save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
     # The run directory (common.Run)
     resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
     overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
     eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
-    track: str = arg("none", "also send every metrics row to this tracker", C.TRACKERS)
+    track: str = arg("none", "also send every metrics row to this tracker", harness.TRACKERS)
 
 
 PAPER = {  # Table 5 / §4.1
@@ -202,7 +182,7 @@ TINY = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollou
 
 
 def resolve(args: Args) -> Args:
-    C.check_choices(args, Args)
+    harness.check_choices(args, Args)
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     preset = TINY if args.model == "tiny" else PAPER[args.env]
@@ -221,12 +201,15 @@ def resolve(args: Args) -> Args:
         raise SystemExit("--skill_source library and --skill_library FILE go together")
     if (args.train_with_skills or args.eval_with_skills) and args.skill_source != "library":
         raise SystemExit("--train_with_skills / --eval_with_skills need --skill_source library --skill_library FILE")
+    if args.teacher_params != "old" and (args.pg_coef != 1 or args.distill != "opd" or args.rlsd_lambda > 0):
+        raise SystemExit("--pg_coef, --distill sdl and --rlsd_lambda are Table 1 baselines (OPSD, Skill-SD, RLSD): "
+                         "they score their teacher with θ_old, add --teacher_params old (docs/baselines.md)")
     if args.rlsd_lambda > 0 and (args.teacher_params != "old" or args.lambda_opd > 0):
         raise SystemExit("RLSD (--rlsd_lambda > 0) scores its teacher with θ_old and has no distillation loss: "
                          "add --teacher_params old --lambda_opd 0")
     if args.pg_coef == 0 and args.lambda_opd == 0:
         raise SystemExit("--pg_coef 0 with --lambda_opd 0 leaves only the KL term to train")
-    C.check_run_args(args)  # tracker, counts, out_dir: before anything loads
+    harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
 
@@ -251,34 +234,6 @@ def opd_loss(logp, skill_logp, mask, beta_opd: float, denom=None):
     delta = (skill_logp - logp).detach()
     gate = torch.sigmoid(beta_opd * delta)
     return C.masked_mean(gate * (skill_logp.detach() - logp), mask, denom), gate
-
-
-def sdl_loss(logp, old_logp, teacher_logp, mask, denom=None):
-    """Skill-SD (SDAR code, skillsd_utils.compute_sdl_loss): L_sdl = token-mean[ρ · k3] with e = ℓ_θ − sg ℓ_T,
-    k3 = exp(min(−e, 20)) − 1 + e (the k3 estimate of KL(π_θ ‖ π_T) on the sampled token) and
-    ρ = exp(min(ℓ_θ − sg ℓ_old, 10)); the gradient flows through ρ and k3 alike."""
-    e = logp - teacher_logp.detach()
-    k3 = torch.exp((-e).clamp(max=20.0)) - 1.0 + e
-    rho = torch.exp((logp - old_logp.detach()).clamp(max=10.0))
-    return C.masked_mean(rho * k3, mask, denom)
-
-
-def rlsd_lambda_at(update: int, lam0: float, warmdown: int) -> float:
-    """RLSD's schedule (SDAR code, RLSDRayTrainer._get_rlsd_lambda): λ_t = λ_0 (1 − t/W) for t < W, else 0, with
-    t = update + 1 (verl counts global steps from 1)."""
-    t = update + 1
-    return lam0 * (1.0 - t / warmdown) if t < warmdown else 0.0
-
-
-def rlsd_advantages(adv: float, old_lp: torch.Tensor, teacher_lp: torch.Tensor | None, lam: float,
-                    clip_w: float) -> torch.Tensor:
-    """RLSD (SDAR code, compute_rlsd_token_advantage): Â_t = A((1 − λ_t) + λ_t w_t), w_t = clip(exp(sign(A) Δ_t),
-    1 − ε_w, 1 + ε_w), Δ_t = ℓ_T − ℓ_old (teacher and student both θ_old, so no gradient). The sign of A is kept
-    and |Â_t / A − 1| ≤ λ_t ε_w. A turn without a teacher keeps Â_t = A."""
-    if teacher_lp is None:
-        return torch.full_like(old_lp, adv)
-    w = torch.exp(math.copysign(1.0, adv) * (adv != 0) * (teacher_lp - old_lp)).clamp(1 - clip_w, 1 + clip_w)
-    return adv * ((1 - lam) + lam * w)
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip_eps: float, beta_kl: float, denom=None):
@@ -368,13 +323,13 @@ def analyze(trajs, engine, args, client=None) -> list[str | None]:
 def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
     """Collect B (M tasks × K0) with the base policy (the engine holds it), annotate, keep v_τ = 1, fine-tune with
     L_sft, save θ_sft with its skill library (a checkpoint that --resume restarts stage 2 from). Returns its path."""
-    timer, t0 = C.Timer(), time.perf_counter()
-    policy = C.shard(C.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
+    timer, t0 = harness.Timer(), time.perf_counter()
+    policy = models.shard(models.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
     tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
     with timer("rollout"):
         trajs, _ = C.collect(engine, make_env, tasks, args.sft_rollouts, args.max_prompt_len, args.max_response_len,
                              args.temperature, args.top_p)
-    client = C.make_client(args.annotator_url, args.annotator_model, "annotator", args)
+    client = harness.make_client(args.annotator_url, args.annotator_model, "annotator", args)
     with timer("analysis"):
         skills = analyze(trajs, engine, args, client)
     engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the SFT steps
@@ -382,7 +337,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
     library = [{"family": tr.family, "won": tr.won, "skill": s} for tr, s in zip(trajs, skills) if s is not None]
     n_traj, n_sft = C.global_sum([len(trajs), len(data)], d.device)
     row = {"stage": 1, "sft/trajectories": n_traj, "sft/examples": n_sft, "sft/valid_rate": n_sft / max(n_traj, 1),
-           **C.endpoint_metrics(client, [0, 0], d, args.require_endpoint)}
+           **harness.endpoint_metrics(client, [0, 0], d, args.require_endpoint)}
     row.update(C.rollout_metrics(trajs, d, "sft/"))
     if n_sft == 0:
         if d.main:
@@ -394,7 +349,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
     path = os.path.join(args.out_dir, "stage1")
     skills_jsonl = "".join(json.dumps(x) + "\n" for part in C.all_gather_objects(library) for x in part)
     with timer("save"):
-        C.save_state(path, policy, tok, d, meta={"next_update": 0, "row": {**row, **timer.as_metrics()}},
+        harness.save_state(path, policy, tok, d, meta={"next_update": 0, "row": {**row, **timer.as_metrics()}},
                      files={"skills.jsonl": skills_jsonl})
     run.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
     del policy
@@ -425,7 +380,7 @@ def sft_train(policy, tok, data, args, d) -> dict:
             C.clip_and_step(policy, opt, args.max_grad_norm)
             losses.append(C.global_sum([total], d.device)[0])
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1], "sft/steps": len(losses),
-            **C.padding_metrics(d)}
+            **harness.padding_metrics(d)}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -476,128 +431,62 @@ def teacher_scores(policy, samples: list[Sample], idx, R, args, d) -> list[torch
     return out
 
 
-def cached_teacher(cache: list, idx: list[int], responses, d):
-    """(ℓ_T [B, R], has [B, 1]) for a micro-batch from teacher_scores: rows without a skill hold 0 with has = 0."""
-    rows = [cache[i] if cache[i] is not None else torch.zeros(len(r)) for i, r in zip(idx, responses)] \
-        or [torch.zeros(1)]
-    has = torch.tensor([[float(cache[i] is not None)] for i in idx] or [[0.0]], device=d.device)
-    return C.pad_right(rows, d.device), has
-
-
-def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer, update: int = 0) -> dict:
-    """Cache ℓ_old (Alg. 1 l.16) and ℓ_ref (and ℓ_T for --teacher_params old), then one epoch of mini-batches of
-    L_SEED (l.21-29), or of the Table 1 baseline the flags select."""
+def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
+    """Cache ℓ_old (Alg. 1 l.16) and ℓ_ref, then one epoch of mini-batches of L_SEED = L_rl + λ_opd L_opd (l.21-29)
+    with the teacher branch re-scored under the current θ in every mini-batch (l.22). λ_opd = 0: plain GRPO."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # ℓ_old: θ before the update
         ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # π_ref, for L_rl's KL
-        teacher_old = teacher_scores(policy, samples, range(len(samples)), R, args, d) \
-            if args.teacher_params == "old" else None
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
-    lam_t = rlsd_lambda_at(update, args.rlsd_lambda, args.rlsd_warmdown) if args.rlsd_lambda > 0 else 0.0
-    adv_tok = [rlsd_advantages(s.adv, old[i], teacher_old[i], lam_t, args.rlsd_clip) for i, s in enumerate(samples)] \
-        if args.rlsd_lambda > 0 else [torch.full_like(old[i], s.adv) for i, s in enumerate(samples)]  # RLSD, or A
+    adv_tok = [torch.full_like(old[i], s.adv) for i, s in enumerate(samples)]  # A_{q,n} broadcast to its tokens
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
-    taught = [s for s in samples if s.teacher_ids] if args.lambda_opd > 0 or teacher_old is not None else []
-    current_teacher = args.lambda_opd > 0 and teacher_old is None  # SEED: l.22 under the current θ
     sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
     norms = []
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # Σm over the whole mini-batch
-            teacher = teacher_old
-            if current_teacher:  # Alg. 1 l.22, teacher branch: ℓ_skill with the current θ, no gradient
+            if args.lambda_opd > 0:  # Alg. 1 l.22, teacher branch: ℓ_skill with the current θ, no gradient
                 with timer("teacher"):  # time/teacher is a part of time/update
                     teacher = teacher_scores(policy, samples, mb, R, args, d)
-            for idx in C.pad_chunks(C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens), d.device):
-                scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
-                p = [P[i] for i in idx] or [C.DUMMY[0]]
-                r = [R[i] for i in idx] or [C.DUMMY[1]]
-                if args.lambda_opd > 0:  # ℓ_T of this micro-batch's turns (θ_old's for --teacher_params old)
-                    skill_lp, has = cached_teacher(teacher, idx, r, d)
-                # Alg. 1 l.22, student branch: ℓ_θ in the ordinary context, with gradient
-                logp, mask = C.sequence_logprobs(policy, p, r, d.device)
-                old_lp = C.pad_right([old[i] for i in idx] or [torch.zeros(1)], d.device)
-                ref_b = C.pad_right([ref_lp[i] for i in idx] or [torch.zeros(1)], d.device)
-                adv = C.pad_right([adv_tok[i] for i in idx] or [torch.zeros(1)], d.device)  # A_{q,n} per token
-                adv = adv * C.pad_right([is_w[i] for i in idx] or [torch.ones(1)], d.device)  # --rollout_is
-                # Alg. 1 l.25-26: ρ = exp(ℓ_θ − ℓ_old), clipped GRPO loss + β_KL·KL over the mini-batch's tokens
-                _, pg, kl = grpo_loss(logp, old_lp, ref_b, adv, mask, args.clip_eps, args.beta_kl, n_tok)
-                loss = args.pg_coef * pg + args.beta_kl * kl  # L_rl; OPSD: pg_coef 0 keeps only the KL
+                skill_lp = [t if t is not None else torch.zeros(len(r)) for t, r in zip(teacher, R)]
+                has_skill = [t is not None for t in teacher]  # a turn without a valid skill: no L_opd numerator
+            for m in C.minibatch_chunks(d, ("", P, R, C.micro_batches(mb, P, R, args.micro_batch,
+                                                                       args.micro_batch_tokens))):
+                logp, mask = m.logprobs(policy)  # Alg. 1 l.22, student branch: ℓ_θ in the plain context, with gradient
+                adv = m.rows(adv_tok) * m.rows(is_w, dummy=1.0)  # A per token (· w: --rollout_is)
+                # l.25-26: ρ = exp(ℓ_θ − ℓ_old), clipped GRPO loss + β_KL·KL over the mini-batch's tokens
+                _, pg, kl = grpo_loss(logp, m.rows(old), m.rows(ref_lp), adv, mask, args.clip_eps, args.beta_kl, n_tok)
+                loss = pg + args.beta_kl * kl  # L_rl
                 if args.lambda_opd > 0:  # with λ_opd = 0 the teacher branch is never run: exactly GRPO
-                    m = (mask * has).detach()
-                    if args.distill == "opd":
-                        l_opd, gate = opd_loss(logp, skill_lp, m, args.beta_opd, n_tok)  # l.23-24, 27
-                        sums["gate"] += (gate * m).sum().item()
-                        sums["gate_sq"] += (gate ** 2 * m).sum().item()
-                    else:  # Skill-SD
-                        l_opd = sdl_loss(logp, old_lp, skill_lp, m, n_tok)
-                    loss = loss + args.lambda_opd * l_opd  # L_SEED (Alg. 1 l.28)
+                    t_lp, mk = m.rows(skill_lp), (mask * m.column(has_skill)).detach()
+                    l_opd, gate = opd_loss(logp, t_lp, mk, args.beta_opd, n_tok)  # l.23-24, 27: Eq. (1)
+                    loss = loss + args.lambda_opd * l_opd  # L_SEED (l.28)
                     sums["opd"] += l_opd.item()
-                    sums["delta"] += ((skill_lp - logp).detach() * m).sum().item()
-                    sums["opd_tokens"] += m.sum().item()
-                (loss * scale).backward()
-                sums["pg"] += pg.item() * bool(idx)
-                sums["kl"] += kl.item() * bool(idx)
-                sums["tokens"] += mask.sum().item() * bool(idx)
+                    sums["gate"] += (gate * mk).sum().item()
+                    sums["gate_sq"] += (gate ** 2 * mk).sum().item()
+                    sums["delta"] += ((t_lp - logp).detach() * mk).sum().item()
+                    sums["opd_tokens"] += mk.sum().item()
+                (loss * m.scale).backward()
+                sums["pg"] += pg.item() * m.real
+                sums["kl"] += kl.item() * m.real
+                sums["tokens"] += mask.sum().item() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))  # Alg. 1 l.29
-    if args.rlsd_lambda > 0:  # mean Â/A over the tokens of turns with A ≠ 0: how much the teacher re-weighted
-        sums["rlsd_w"] = sum((a / s.adv).sum().item() for a, s in zip(adv_tok, samples) if s.adv)
-        sums["rlsd_tokens"] = float(sum(len(a) for a, s in zip(adv_tok, samples) if s.adv))
-    keys = list(sums)
-    tot = dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device)))
-    rlsd = {"rlsd/lambda": lam_t, "rlsd/weight_mean": tot["rlsd_w"] / max(tot["rlsd_tokens"], 1.0)} \
-        if args.rlsd_lambda > 0 else {}
+    tot = C.global_sums(d, **sums)
     n_opd = max(tot["opd_tokens"], 1.0)
     gate_mean = tot["gate"] / n_opd
+    taught = [s for s in samples if s.teacher_ids] if args.lambda_opd > 0 else []  # what l.22 scored
     return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb, "losses/opd": tot["opd"] / n_mb,
-            "losses/total": (args.pg_coef * tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
-            **({"opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0))}
-               if args.distill == "opd" else {}),  # Skill-SD has no gate
+            "losses/total": (tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
+            "opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0)),
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
             "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
-            **rlsd, **C.rollout_mismatch(old, engine_lp, d), **C.padding_metrics(d),
-            "perf/teacher_tokens": C.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
-            "perf/teacher_seqs": C.sample_count(taught, d)}
-
-
-def load_library(path: str) -> list[dict]:
-    """--skill_library: one JSON object per line with a non-empty "skill" text and an optional "family"."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"--skill_library {path}: no such file (skills/alfworld.jsonl, skills/search.jsonl, or a "
-                         f"SEED run's stage1/skills.jsonl)")
-    lib = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                x = json.loads(line)
-                assert isinstance(x, dict) and isinstance(x.get("skill"), str) and x["skill"].strip()
-            except (ValueError, AssertionError):
-                raise SystemExit(f"--skill_library {path}, line {n}: expected {{\"skill\": text, \"family\": ...}}")
-            lib.append(x)
-    return lib
-
-
-def retrieve_skill(lib: list[dict], family: str) -> str | None:
-    """The task's library skill (SDAR's SkillProvider, by task type): every general record (no "family"), then the
-    family's own (successful first when the records say "won"), one per line; None if the library has none."""
-    general = [x["skill"] for x in lib if not x.get("family")]
-    own = sorted((x for x in lib if x.get("family") == family), key=lambda x: not x.get("won", True))
-    return "\n".join(general + [x["skill"] for x in own]) or None
-
-
-def library_context(lib: list[dict], tok, args):
-    """Skill-GRPO / Skill-Prompt*: the policy's own prompt is H(h, retrieved skill), for collect(context=...)."""
-    def context(env) -> str:
-        skill = retrieve_skill(lib, env.family)
-        return inject_skill(env.prompt(), cut_skill(tok, skill, args.skill_max_tokens), LIBRARY_HEADER) if skill \
-            else env.prompt()
-    return context
+            **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
+            "perf/teacher_tokens": harness.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
+            "perf/teacher_seqs": harness.sample_count(taught, d)}
 
 
 def static_library(path: str) -> dict[tuple, list[str]]:
@@ -616,17 +505,17 @@ def library_skills(trajs, lib, rng) -> list[str | None]:
 
 def main(args: Args):
     args = resolve(args)
-    d = C.init_distributed(args.seed)
-    tok = C.load_tokenizer(args.model)
-    train_ids, make_train, evals = C.task_envs(args)
-    library = load_library(args.skill_library) if args.skill_source == "library" else None  # Table 1 baselines
-    train_context = library_context(library, tok, args) if args.train_with_skills else None  # Skill-GRPO
-    eval_context = library_context(library, tok, args) if args.eval_with_skills else None    # Skill-Prompt*, *
+    d = models.init_distributed(args.seed)
+    tok = models.load_tokenizer(args.model)
+    train_ids, make_train, evals = harness.task_envs(args)
+    library = baselines.load_library(args.skill_library) if args.skill_source == "library" else None  # Table 1
+    train_context = baselines.library_context(library, tok, args) if args.train_with_skills else None  # Skill-GRPO
+    eval_context = baselines.library_context(library, tok, args) if args.eval_with_skills else None  # Skill-Prompt*
     if args.eval_only:
-        return C.shutdown(C.eval_only(args, "seed", d, tok, evals, eval_context))
-    run = C.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
+        return models.shutdown(harness.eval_only(args, "seed", d, tok, evals, eval_context))
+    run = harness.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
     # the rollout engine, for both stages: it holds the base model for stage 1; sync() pushes θ before every use
-    engine = C.make_engine(args, args.model, tok, d)
+    engine = models.make_engine(args, args.model, tok, d)
 
     # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input). A resumed run found it done.
     if args.skip_sft:
@@ -637,14 +526,14 @@ def main(args: Args):
         init = run_stage1(args, d, tok, make_train, train_ids, run, engine)
     static = static_library(init) if args.skill_source == "static" else None
     theta = run.state or init                                                        # resumed θ
-    policy = C.shard(C.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
-    ref = C.shard(C.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
+    policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
+    ref = models.shard(models.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
-        C.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG
+        harness.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG
 
     for update in range(run.start, args.updates):
-        timer, t0, work = C.Timer(), time.perf_counter(), C.engine_work(engine)
+        timer, t0, work = harness.Timer(), time.perf_counter(), harness.engine_work(engine)
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.5: θ_old ← θ
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
@@ -655,26 +544,30 @@ def main(args: Args):
             if args.lambda_opd == 0 and args.rlsd_lambda == 0:  # 'w/o OPD' ablation, GRPO: skills would be unused
                 skills = [None] * len(trajs)
             elif library is not None:                                                # the baselines' teacher
-                skills = [retrieve_skill(library, tr.family) for tr in trajs]
+                skills = [baselines.retrieve_skill(library, tr.family) for tr in trajs]
             elif static is not None:
                 skills = library_skills(trajs, static, random.Random(update))
             else:
                 skills = analyze(trajs, engine, args)
         samples, adv = build_samples(trajs, skills, tok, args)                      # l.10-15
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
-        row = {"update": update, "stage": 2, **seed_update(policy, ref, opt, samples, args, d, timer, update)}
+        if args.teacher_params == "old":  # a Table 1 baseline: θ_old's teacher (baselines.py)
+            stats = baselines.baseline_update(policy, ref, opt, samples, args, d, timer, update)
+        else:                                                                        # l.16-29
+            stats = seed_update(policy, ref, opt, samples, args, d, timer)
+        row = {"update": update, "stage": 2, **stats}
         n_sk, n_tr, n_zero, n_grp = C.global_sum([sum(s is not None for s in skills), len(trajs),
                                                   float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"skills/valid_rate": n_sk / max(n_tr, 1), "adv/tied_group_frac": n_zero / max(n_grp, 1),
                     "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
-        row.update(C.engine_metrics(engine, work, d))  # every role
-        row.update(C.validate(update, args, engine, policy, evals, d, timer, eval_context))
+        row.update(harness.engine_metrics(engine, work, d))  # every role
+        row.update(harness.validate(update, args, engine, policy, evals, d, timer, eval_context))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
-    C.shutdown(engine)
+    models.shutdown(engine)
 
 
 if __name__ == "__main__":
-    main(C.parse_args(Args, PAPER, TINY))
+    main(harness.parse_args(Args, PAPER, TINY))

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import common as C
+import harness
+import models
 import envs
 import seed
 from test_opid import d  # noqa: F401  (the 1-rank group fixture that is torn down after this module)
@@ -38,10 +40,10 @@ def run_update(d, tok, batch, update=0, **kw):
     args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, **kw))
     trajs, skills = batch
     samples, _ = seed.build_samples(trajs, skills, tok, args)
-    policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=False)
-    ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
+    policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=False)
+    ref = models.shard(models.load_model("tiny", 0), d, bf16=False, trainable=False)
     random.seed(0)
-    row = seed.seed_update(policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0), samples, args, d, C.Timer(),
+    row = seed.seed_update(policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0), samples, args, d, harness.Timer(),
                            update)
     return row, {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}, samples
 
@@ -50,7 +52,7 @@ def independent_step(samples, extra_loss, pg_coef=1.0, adv_of=None):
     """The definition, from scratch on an unsharded model in one batch: pg_coef · token-mean[−min(ρA, clip(ρ, 0.8,
     1.2)A)] + 0.01 · token-mean[k3 KL to π_ref = θ_0] + extra_loss(ℓ_θ, ℓ_old, ℓ_T, has, mask) / N, then clip to
     norm 1 and an SGD step; ℓ_T is θ_0 = θ_old on each turn's teacher prompt (0 and has = 0 without one)."""
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with torch.no_grad():
         old, _ = C.sequence_logprobs(model, P, R, "cpu")
@@ -187,7 +189,7 @@ def test_evaluate_uses_the_context(d, tok):
     lib = seed.load_library(LIBRARY)
     args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, eval_with_skills=True))
     ctx, seen = seed.library_context(lib, tok, args), []
-    engine = C.HFEngine(C.load_model("tiny", 0), tok, torch.device("cpu"))
+    engine = models.HFEngine(models.load_model("tiny", 0), tok, torch.device("cpu"))
     make = lambda: envs.make_env("household", split="valid_seen", seed=0, max_steps=2)  # noqa: E731
     row = C.evaluate(engine, make, make().task_ids()[:2], d, 1024, 8, 0.4, 0, "eval/",
                      lambda env: seen.append(ctx(env)) or seen[-1])
@@ -250,7 +252,7 @@ def test_skill_in_the_policy_context(tok):
     args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, lambda_opd=0,
                                   train_with_skills=True, max_steps=3))
     lib = seed.load_library(LIBRARY)
-    engine = C.HFEngine(C.load_model("tiny", 0), tok, torch.device("cpu"))
+    engine = models.HFEngine(models.load_model("tiny", 0), tok, torch.device("cpu"))
     make = lambda: envs.make_env("household", split="train", seed=0, max_steps=3)  # noqa: E731
     ids = make().task_ids()[:2]
 

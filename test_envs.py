@@ -631,14 +631,16 @@ def test_webshop_score_reaches_the_trajectory_and_the_metrics_through_collect():
     reward 0 under verl_agent)."""
     import re
     import common as C
+    import harness
+    import models
     from test_runs import one_rank
-    tokenizer = C.load_tokenizer("tiny")
+    tokenizer = models.load_tokenizer("tiny")
     env = webshop()
     dress = env.products["B08ZRR3DZT"]["Title"].lower()
     plan = [f"search[{dress}]", "click[b08zrr3dzt]", "click[buy now]"]
 
     class Shopper:  # the real tiny tokenizer's ids of well-formed replies, chosen by the step the prompt names
-        tok, stops = tokenizer, C.stop_token_ids(tokenizer)
+        tok, stops = tokenizer, models.stop_token_ids(tokenizer)
 
         def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
             out = []
@@ -674,16 +676,18 @@ def _collect(make_env, ids, engine, n=2, steps_seed=0):
 def tiny_engine():
     import torch
     import common as C
-    return C.HFEngine(C.load_model("tiny", 0), C.load_tokenizer("tiny"), torch.device("cpu"))
+    import models
+    return models.HFEngine(models.load_model("tiny", 0), models.load_tokenizer("tiny"), torch.device("cpu"))
 
 
 def test_env_pool_collects_the_same_household_trajectories_as_serial(tiny_engine):
     """--env_workers: the same seeded rollouts (every prompt, sampled id, observation and reward) as in-process envs,
     the envs dealt over 3 workers; a worker's exception reaches the trainer with its traceback."""
     import common as C
+    import harness
     make = lambda: envs.make_env("household", split="train", seed=0, max_steps=3)  # noqa: E731
     ids = make().task_ids()[:3]
-    pool = C.EnvPool({"train": make, "bad": lambda: envs.make_env("household", split="train", max_steps=3)}, 3)
+    pool = harness.EnvPool({"train": make, "bad": lambda: envs.make_env("household", split="train", max_steps=3)}, 3)
     try:
         serial, s_stats = _collect(make, ids, tiny_engine)
         pooled, p_stats = _collect(pool.envs("train"), ids, tiny_engine)
@@ -704,6 +708,7 @@ def test_env_pool_collects_the_same_alfworld_trajectories_and_reuses_games(tiny_
     """Real games: 2 workers give the serial trajectories; a finished game's gym env is switched to the next game
     (no new one: each would load another copy of fast-downward's library) and replays it exactly."""
     import common as C
+    import harness
     make = lambda: envs.make_env("alfworld", split="valid_seen", data_dir=str(ALFWORLD_DATA), max_steps=3)  # noqa
     ids = make().task_ids()[:2]
     serial, _ = _collect(make, ids, tiny_engine)
@@ -714,7 +719,7 @@ def test_env_pool_collects_the_same_alfworld_trajectories_and_reuses_games(tiny_
     assert sorted(again, key=lambda t: t[0]) != [] and {t[0] for t in again} == set(ids)
     replay, _ = _collect(make, ids, tiny_engine)
     assert replay == serial
-    pool = C.EnvPool({"train": make}, 2)
+    pool = harness.EnvPool({"train": make}, 2)
     try:
         pooled, _ = _collect(pool.envs("train"), ids, tiny_engine)
         assert pooled == serial

@@ -10,6 +10,8 @@ import urllib.request
 import pytest
 
 import common as C
+import harness
+import models
 import envs
 import experiment as E
 import grsd
@@ -23,7 +25,7 @@ SEEDS, MAX_STEPS = (0,), 15
 def oracle():
     o = E.Oracle(SEEDS)
     server = E.serve_oracle(o)
-    client = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "oracle", "oracle", timeout=10,
+    client = harness.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "oracle", "oracle", timeout=10,
                           retries=0)
     yield o, client, server.server_address[1]
     server.shutdown()
@@ -168,7 +170,7 @@ def test_warm_start_data_labels_are_admissible_and_hints_true():
 def test_clone_loss_is_the_response_nll_plus_weighted_prompt_nll():
     """Against common.sequence_logprobs (left-padded, the trainer's scorer) and a per-row recomputation."""
     import torch
-    tok, model = C.load_tokenizer("tiny"), C.load_model("tiny", 0)
+    tok, model = models.load_tokenizer("tiny"), models.load_model("tiny", 0)
     rows = [(C.chat_ids(tok, "put a mug in shelf."), tok("<think>go</think><action>look</action>")["input_ids"]),
             (C.chat_ids(tok, "a longer prompt: go to cabinet 1, open it"), tok("x")["input_ids"])]
     with torch.no_grad():
@@ -217,7 +219,7 @@ def test_experiment_smoke_run(tmp_path):
     out = tmp_path / "exp"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "experiment.py", "--smoke", "--out", str(out), "--parallel", "2", "--threads", "1"],
+    r = subprocess.run([sys.executable, "tools/experiment.py", "--smoke", "--out", str(out), "--parallel", "2", "--threads", "1"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
@@ -233,6 +235,6 @@ def test_experiment_smoke_run(tmp_path):
     table = (out / "table.md").read_text()
     assert all(f"| {m} | 1 |" in table for m in E.METHODS)
     assert (out / "curves.png").stat().st_size > 10_000
-    again = subprocess.run([sys.executable, "experiment.py", "--smoke", "--out", str(out)], capture_output=True,
+    again = subprocess.run([sys.executable, "tools/experiment.py", "--smoke", "--out", str(out)], capture_output=True,
                            text=True, timeout=300, env=env)
     assert again.returncode == 0 and again.stdout.count("already done, skipped") == 5  # a rerun resumes

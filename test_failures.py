@@ -19,6 +19,8 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 import common as C
+import harness
+import models
 import envs
 import grsd
 import opid
@@ -243,7 +245,7 @@ def closed_url(path=""):
 def test_a_hung_endpoint_costs_one_timeout_per_batch():
     server, url = serve(Hang)
     try:
-        client = C.ChatClient(url + "/v1", "m", "judge", timeout=2.0, retries=2)
+        client = harness.ChatClient(url + "/v1", "m", "judge", timeout=2.0, retries=2)
         t0 = time.perf_counter()
         out = client.complete_many(["x"] * 40, 0.0, 8)
         waited = time.perf_counter() - t0
@@ -257,7 +259,7 @@ def test_a_hung_endpoint_costs_one_timeout_per_batch():
 
 
 def test_a_refused_endpoint_is_retried_with_backoff_then_counted():
-    client = C.ChatClient(closed_url("/v1"), "m", "analyzer", timeout=1.0, retries=1)
+    client = harness.ChatClient(closed_url("/v1"), "m", "analyzer", timeout=1.0, retries=1)
     t0 = time.perf_counter()
     assert client.complete_many(["x"] * 3, 0.0, 8) == [None] * 3
     assert 1.0 <= time.perf_counter() - t0 < 3.0  # 2 attempts, 1 s backoff between them
@@ -265,19 +267,19 @@ def test_a_refused_endpoint_is_retried_with_backoff_then_counted():
 
 
 def test_endpoint_metrics_warn_once_and_require_endpoint_is_fatal(capsys):
-    client = C.ChatClient(closed_url("/v1"), "m", "judge", timeout=1.0, retries=0)
+    client = harness.ChatClient(closed_url("/v1"), "m", "judge", timeout=1.0, retries=0)
     seen = [0, 0]
     with one_rank() as d:
         client.complete_many(["x"] * 2, 0.0, 8)
-        assert C.endpoint_metrics(client, seen, d, False) == {"endpoint/judge/requests": 2,
+        assert harness.endpoint_metrics(client, seen, d, False) == {"endpoint/judge/requests": 2,
                                                               "endpoint/judge/failures": 2}
         assert capsys.readouterr().out.count("WARNING judge: all 2 requests to ") == 1
-        assert C.endpoint_metrics(client, seen, d, False) == {"endpoint/judge/requests": 0,  # per update
+        assert harness.endpoint_metrics(client, seen, d, False) == {"endpoint/judge/requests": 0,  # per update
                                                               "endpoint/judge/failures": 0}
         assert "WARNING" not in capsys.readouterr().out
         client.complete_many(["x"], 0.0, 8)
         with pytest.raises(SystemExit, match="judge: all 1 requests .* failed this update .*--require_endpoint"):
-            C.endpoint_metrics(client, seen, d, True)
+            harness.endpoint_metrics(client, seen, d, True)
 
 
 class SearchPolicy:
@@ -285,8 +287,8 @@ class SearchPolicy:
     trajectories elsewhere): it searches at every step, so every step asks the retriever."""
 
     def __init__(self):
-        self.tok = C.load_tokenizer("tiny")
-        self.stops = C.stop_token_ids(self.tok)
+        self.tok = models.load_tokenizer("tiny")
+        self.stops = models.stop_token_ids(self.tok)
         text = envs.format_expert_response("<search>VIVA Media</search>", "search")
         end = self.tok.convert_tokens_to_ids("<|im_end|>")
         self.reply = self.tok(text, add_special_tokens=False)["input_ids"] + [end]
@@ -403,7 +405,7 @@ def test_bad_flags_are_refused_before_anything_loads(method, argv, message, monk
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", "--out_dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit, match=re.escape(message)):
-        mod.resolve(C.parse_args(mod.Args, mod.PAPER, mod.TINY))
+        mod.resolve(harness.parse_args(mod.Args, mod.PAPER, mod.TINY))
     assert not any(tmp_path.iterdir())
 
 

@@ -23,6 +23,8 @@ import pytest
 import torch
 
 import common as C
+import harness
+import models
 import envs
 import grsd
 import test_opid
@@ -143,16 +145,16 @@ def run_update(d, tok, batch, sgd=False, engine_shift=None, **kw):
     refl = tuple([x[i] for i in mine] for x in refl)
     adv = task_advantages(trajs, args)
     engine = ScriptedEngine(tok, [GUIDE])
-    mixed, guidance, n_empty = grsd.group_guidance(trajs, refl[2], refl[3], engine, args, C.Timer())
+    mixed, guidance, n_empty = grsd.group_guidance(trajs, refl[2], refl[3], engine, args, harness.Timer())
     turns, refls = grsd.build_samples(trajs, adv, refl, guidance, tok, args)
     if engine_shift is not None:  # engine log-probs ℓ_old − c on every turn token, --rollout_is token
         args.rollout_is = "token"  # (set after resolve: the CLI allows it only with --engine vllm)
-        old = C.score(C.load_model("tiny", 0), [s.prompt_ids for s in turns], [s.response_ids for s in turns], 8,
+        old = C.score(models.load_model("tiny", 0), [s.prompt_ids for s in turns], [s.response_ids for s in turns], 8,
                       d.device)
         for s, lp in zip(turns, old):
             s.engine_logp = (lp - engine_shift).tolist()
-    policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
-    ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
+    policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
+    ref = models.shard(models.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
         torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     seen, real = {}, grsd.modulated_advantages
@@ -163,7 +165,7 @@ def run_update(d, tok, batch, sgd=False, engine_shift=None, **kw):
     grsd.modulated_advantages = spy
     try:
         random.seed(d.rank)  # the same mini-batch order in every call
-        row = grsd.grsd_update(policy, ref, opt, turns, refls, args, d, C.Timer())
+        row = grsd.grsd_update(policy, ref, opt, turns, refls, args, d, harness.Timer())
     finally:
         grsd.modulated_advantages = real
     params = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
@@ -192,7 +194,7 @@ def independent(batch, tok):
     """ℓ_stu and ℓ_tea of every turn (trajectory order), scored here one sample at a time on an unsharded copy of
     the initial weights (= θ_old = θ̄), with the teacher context built here from GUIDE (None for group 1)."""
     trajs, _ = batch
-    model, big = C.load_model("tiny", 0), teacher_len(make_args())
+    model, big = models.load_model("tiny", 0), teacher_len(make_args())
     out = []
     with torch.no_grad():
         for tr in trajs:
@@ -374,7 +376,7 @@ def test_alpha_and_lambda_zero_match_an_independent_step(d, tok, batch):
     trajs, refl = batch
     for cfg in (GRPO, LAM0):
         run, alpha = cached_update(d, tok, batch, **cfg), cfg.get("alpha", 0.01)
-        model = C.load_model("tiny", 0)
+        model = models.load_model("tiny", 0)
 
         def surrogate(prompts, responses, adv, weight):
             with torch.no_grad():
@@ -415,7 +417,7 @@ def test_stu_and_tea_are_scored_once_before_any_step(d, tok, batch, independent,
     """Alg. 1 l.17-29: ℓ_stu, ℓ_ref, the reflections' ℓ_old and ℓ_tea are scored at θ_old = θ̄ before the first
     optimiser step, and Â stays fixed over all mini-batches (SGD lr 1 moves θ a lot between them)."""
     events, seen = [], []
-    initial = checksum(C.load_model("tiny", 0))
+    initial = checksum(models.load_model("tiny", 0))
     real_score, real_step, real_loss = C.score, C.clip_and_step, grsd.grsd_task_loss
 
     def score(model, prompts, responses, *a, **kw):
@@ -471,7 +473,7 @@ def replay_update(batch, independent, a_hat, n_mb, alpha, beta):
     order, r_order = list(range(len(turns))), list(range(len(refl[1])))
     random.shuffle(order)
     random.shuffle(r_order)
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     with torch.no_grad():
         r_old = [C.sequence_logprobs(model, [p], [r], "cpu")[0][0] for p, r in zip(refl[0], refl[1])]
 
@@ -588,7 +590,7 @@ def test_guidance_variants_by_hand(tok, batch):
     # 'w/o group aggregation': the raw valid reflections labelled by outcome, no generation
     engine = ScriptedEngine(tok, [GUIDE])
     mixed, guidance, n_empty = grsd.group_guidance(trajs, refl[2], refl[3], engine, make_args(guidance="unaggregated"),
-                                                   C.Timer())
+                                                   harness.Timer())
     want = (f"From a successful attempt:\n{RAW[0]}\n\nFrom a failed attempt:\n{RAW[2]}\n\n"
             f"From a failed attempt:\n{RAW[3]}")
     assert grsd.unaggregated_guidance(good, bad) == want
@@ -601,19 +603,19 @@ def test_guidance_variants_by_hand(tok, batch):
     assert "Reflections on attempts that SUCCEEDED:\n[1] " + RAW[0] in full
     engine = ScriptedEngine(tok, [GUIDE])
     mixed, guidance, _ = grsd.group_guidance(trajs, refl[2], refl[3], engine, make_args(guidance="success_only"),
-                                             C.Timer())
+                                             harness.Timer())
     assert engine.prompts == [C.encode_prompt(tok, only, 2048)[0]] and guidance == {0: GUIDE, 1: None}
     assert mixed == {0: True, 1: False}
     # an empty sampled z_x deactivates the group (counted), so its turns get no teacher context
     engine = ScriptedEngine(tok, [" \n "])
-    _, guidance, n_empty = grsd.group_guidance(trajs, refl[2], refl[3], engine, make_args(), C.Timer())
+    _, guidance, n_empty = grsd.group_guidance(trajs, refl[2], refl[3], engine, make_args(), harness.Timer())
     assert guidance == {0: None, 1: None} and n_empty == 1
     turns, _ = grsd.build_samples(trajs, A_TASK, refl, guidance, tok, make_args())
     assert all(s.teacher_ids is None for s in turns)
     # a group whose wins all lack a judge score is not mixed (S+ counts valid reflections only, Alg. 1 l.13)
     scores = [None, None] + refl[3][2:]
     mixed, guidance, _ = grsd.group_guidance(trajs, refl[2], scores, ScriptedEngine(tok, [GUIDE]), make_args(),
-                                             C.Timer())
+                                             harness.Timer())
     assert mixed == {0: False, 1: False} and guidance == {0: None, 1: None}
 
 
@@ -623,7 +625,7 @@ def test_unaggregated_guidance_keeps_every_reflection_within_the_budget(tok, bat
     trajs, refl = batch
     long = [None if r is None else r + " Then " + "check the countertop again carefully. " * 60 for r in refl[2]]
     args = make_args(guidance="unaggregated", guidance_max_tokens=120)
-    _, guidance, _ = grsd.group_guidance(trajs, long, refl[3], ScriptedEngine(tok, [GUIDE]), args, C.Timer())
+    _, guidance, _ = grsd.group_guidance(trajs, long, refl[3], ScriptedEngine(tok, [GUIDE]), args, harness.Timer())
     z = guidance[0]
     assert z.count("From a successful attempt:") == 1 and z.count("From a failed attempt:") == 2
     assert len(tok(z, add_special_tokens=False)["input_ids"]) <= 120
@@ -725,9 +727,9 @@ def test_reflect_and_judge_over_http(tok, batch):
     args = make_args()
     server, url = serve(Judge)
     Judge.bodies = []
-    client = C.ChatClient(url, "judge-m", retries=1)
+    client = harness.ChatClient(url, "judge-m", retries=1)
     try:
-        p_ids, r_ids, reflections, scores = grsd.reflect_and_judge(trajs, engine, args, client, C.Timer())
+        p_ids, r_ids, reflections, scores = grsd.reflect_and_judge(trajs, engine, args, client, harness.Timer())
     finally:
         server.shutdown()
     want_p = [C.encode_prompt(tok, grsd.reflection_prompt(tr, 400), 2048)[0] for tr in trajs]
@@ -843,10 +845,10 @@ def test_grsd_runs_real_benchmark_episodes(env_name, data, tmp_path):
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update
-    dist_ = C.init_distributed(seed=0)
-    tok_ = C.load_tokenizer("tiny")
+    dist_ = models.init_distributed(seed=0)
+    tok_ = models.load_tokenizer("tiny")
     # micro-batches of ≤ 1500 padded tokens: the ranks run different numbers of real chunks (padding chunks)
     out_ = run_update(dist_, tok_, grsd_batch(tok_), **{**MAIN, "micro_batch_tokens": 1500})
     if dist_.main:
         torch.save({"row": out_.row, "params": out_.params}, sys.argv[1])
-    C.shutdown()
+    models.shutdown()

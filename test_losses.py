@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common as C
+import models
 import grsd
 import opid
 import seed
@@ -158,7 +159,7 @@ def test_prop2_tied_rewards_rl_gradient_zero_opd_gradient_iff_gate_varies():
 # ---------------------------------------------------------------------------------------------- scoring
 
 def test_over_long_prompt_keeps_template_head_and_tail():
-    tok = C.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     text = "Your task is to: put a mug in the sink.\n" + "Step Observation: nothing happens. " * 300 + "FINAL LINE"
     ids, used = C.encode_prompt(tok, text, 256)
     assert len(C.encode_prompt(tok, text, 10_000)[0]) > 256 and len(ids) <= 256 and used != text
@@ -171,7 +172,7 @@ def test_over_long_prompt_keeps_template_head_and_tail():
 
 def test_left_padded_scoring_matches_unpadded_forward():
     """ℓ(a_ℓ | h, a_<ℓ) from a padded micro-batch equals a lone unpadded forward of the same sequence."""
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     prompts, responses = [[5, 6, 7, 8, 9], [10, 11]], [[12, 13, 14], [15]]
     logp, mask = C.sequence_logprobs(model, prompts, responses, "cpu")
     assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -185,7 +186,7 @@ def test_left_padded_scoring_matches_unpadded_forward():
 def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_padding():
     """Right-aligned rows: a long prompt with a short response and a short prompt with a long response pad to
     max(len p + len r) = 8, not max len p + max len r = 11; the log-probs still equal lone unpadded forwards."""
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     prompts, responses = [[5, 6, 7, 8, 9, 10, 11], [10, 11]], [[12], [15, 16, 17, 18, 19]]
     C.FORWARD_TOKENS[:] = [0, 0]
     logp, mask = C.sequence_logprobs(model, prompts, responses, "cpu")

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 import common as C
+import harness
+import models
 import envs
 import opid
 from test_seed import HERE, SHARED, clean_env, free_port, trajectories
@@ -36,7 +38,7 @@ def d():
                      torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu"))
         return
     saved = {k: os.environ.get(k) for k in DIST_ENV}
-    yield C.init_distributed(seed=0)
+    yield models.init_distributed(seed=0)
     dist.destroy_process_group()
     for k, v in saved.items():
         if v is None:
@@ -47,7 +49,7 @@ def d():
 
 @pytest.fixture(scope="module")
 def tok():
-    return C.load_tokenizer("tiny")
+    return models.load_tokenizer("tiny")
 
 
 # ------------------------------------------------------------------------------------------------ the batch
@@ -101,16 +103,16 @@ def run_update(d, tok, trajs, analyses, sgd=False, engine_shift=None, **kw):
     samples, adv, _ = opid.build_samples([tr for tr, _ in mine], [a for _, a in mine], tok, args)
     if engine_shift is not None:  # (set after resolve: the CLI allows --rollout_is only with --engine vllm)
         args.rollout_is = "token"
-        old = C.score(C.load_model("tiny", 0), [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+        old = C.score(models.load_model("tiny", 0), [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                       8, d.device)
         for s, lp in zip(samples, old):
             s.engine_logp = (lp - engine_shift).tolist()
-    policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
-    ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
+    policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
+    ref = models.shard(models.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
         torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     random.seed(d.rank)  # the same mini-batch order in every call
-    row = opid.opid_update(policy, ref, opt, samples, args, d, C.Timer())
+    row = opid.opid_update(policy, ref, opt, samples, args, d, harness.Timer())
     params = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
     return row, params, samples, adv
 
@@ -141,7 +143,7 @@ def independent(batch, tok):
     one sample at a time (no padding shared with the code under test)."""
     trajs, analyses = batch
     args = make_args()
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     out = []
     with torch.no_grad():
         for tr, an in zip(trajs, analyses):
@@ -259,7 +261,7 @@ def test_lambda_skill_zero_matches_an_independent_grpo_step(d, tok, batch):
     """The λ_skill = 0 update, recomputed here from scratch on an unsharded model in one batch: ρ = exp(ℓ − ℓ_old),
     −min(ρA, clip(ρ)A) + 0.01·k3-KL to π_ref (= the initial weights), token mean, clip to norm 1, SGD step."""
     row, got, samples, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.0)
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with torch.no_grad():
         old, _ = C.sequence_logprobs(model, P, R, "cpu")
@@ -291,7 +293,7 @@ def test_old_and_skill_logprobs_are_scored_once_before_any_step(d, tok, batch, i
     """Alg. 1 l.18-22: ℓ_old, ℓ_ref and ℓ_skill are scored at θ_old before the first optimiser step, and A_OPID
     stays fixed over all mini-batches (SGD lr 1 moves θ a lot between them, so a re-scored A_OPID would show)."""
     lam, events, seen = 0.5, [], []
-    initial = checksum(C.load_model("tiny", 0))
+    initial = checksum(models.load_model("tiny", 0))
     real_score, real_step, real_loss = C.score, C.clip_and_step, opid.opid_loss
 
     def score(model, prompts, responses, *a, **kw):
@@ -713,7 +715,7 @@ def test_analyzer_retry_and_failure_accounting(batch):
     assert args.analyzer_retries == 1 and args.max_critical == 5
     server, url = serve(GarbageThenJSON)
     try:
-        results, events = opid.analyze(trajs, None, args, C.ChatClient(url, "m", retries=0))
+        results, events = opid.analyze(trajs, None, args, harness.ChatClient(url, "m", retries=0))
     finally:
         server.shutdown()
     assert results == [A("Skill for a success.", {0: "First step."})] * 2 + \
@@ -730,14 +732,14 @@ def test_analyzer_retry_and_failure_accounting(batch):
 
     server, url = serve(AlwaysGarbage)
     try:
-        results, events = opid.analyze(trajs, None, args, C.ChatClient(url, "m", retries=0))
+        results, events = opid.analyze(trajs, None, args, harness.ChatClient(url, "m", retries=0))
     finally:
         server.shutdown()
     assert results == [None] * n
     assert (events["requests"], events["no_json"], events["failed"]) == (2 * n, 2 * n, n)
     assert len(AlwaysGarbage.prompts) == 2 * n
 
-    dead = C.ChatClient(f"http://127.0.0.1:{free_port()}/v1", "m", retries=0)  # nothing listens there
+    dead = harness.ChatClient(f"http://127.0.0.1:{free_port()}/v1", "m", retries=0)  # nothing listens there
     results, events = opid.analyze(trajs, None, make_args(analyzer_retries=2), dead)
     # an endpoint failure is not an unusable reply: it is not re-asked (the client retried already) and is not
     # counted as no_json; it shows in endpoint/analyzer/* (ChatClient.requests / failures)
@@ -857,11 +859,11 @@ def test_opid_runs_real_benchmark_episodes(env_name, data, tmp_path):
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update
-    dist_ = C.init_distributed(seed=0)
-    tok_ = C.load_tokenizer("tiny")
+    dist_ = models.init_distributed(seed=0)
+    tok_ = models.load_tokenizer("tiny")
     # micro_batch 5: each rank runs several real chunks and, where it has fewer, zero-weighted padding chunks
     row_, params_, _, _ = run_update(dist_, tok_, *opid_batch(tok_), sgd=True, lambda_skill=0.5, micro_batch=5,
                                      micro_batch_tokens=1500)
     if dist_.main:
         torch.save({"row": row_, "params": params_}, sys.argv[1])
-    C.shutdown()
+    models.shutdown()

@@ -19,6 +19,9 @@ import torch
 
 import bench
 import common as C
+import harness
+import models
+import plot
 
 HERE = Path(__file__).parent
 BASE = ["--tasks_per_update", "2", "--group_size", "2", "--eval_tasks", "2"]
@@ -95,7 +98,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tm
     proc = subprocess.Popen(torchrun(method, killed, *flags), cwd=HERE, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not (killed / first_state / C.STATE / "meta.json").is_file():
+    while not (killed / first_state / harness.STATE / "meta.json").is_file():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.05)
     for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun and both workers (each in a session of its own)
@@ -103,8 +106,8 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tm
     proc.wait()
     assert not (killed / "final").exists(), "killed too late: the run had finished"
     logged = [r.get("update", -1) for r in rows_of(killed)]
-    state = C.latest_state(str(killed))
-    done = C.read_meta(state)["next_update"]
+    state = harness.latest_state(str(killed))
+    done = harness.read_meta(state)["next_update"]
     assert max(logged) <= done - 1  # nothing logged past the checkpoint: at most the update in flight is lost
 
     res = run(torchrun(method, killed, *flags, "--resume"))
@@ -136,16 +139,16 @@ def test_a_kill_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
     res = subprocess.run(cmd, cwd=HERE, env=env(), capture_output=True, text=True, timeout=400)
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     partial = out / "update2.tmp"
-    assert (partial / C.STATE / "rng_rank0.pt").is_file() and not (partial / C.STATE / "meta.json").exists()
-    assert not (out / "update2").exists() and C.latest_state(str(out)) == str(out / "update1")
+    assert (partial / harness.STATE / "rng_rank0.pt").is_file() and not (partial / harness.STATE / "meta.json").exists()
+    assert not (out / "update2").exists() and harness.latest_state(str(out)) == str(out / "update1")
     assert [r["update"] for r in rows_of(out)] == [0]
 
     res = run(python("opid", out, *flags, "--resume"))
     assert f"resuming {out / 'update1'} at update 1" in res.stdout
     assert [r["update"] for r in rows_of(out)] == [0, 1, 2]
     assert not partial.exists() and (out / "update2" / "config.json").is_file()
-    assert not (out / "update2" / C.STATE).exists()  # pruned: one optimizer state on disk, the newest
-    assert C.read_meta(str(out / "final"))["next_update"] == 3
+    assert not (out / "update2" / harness.STATE).exists()  # pruned: one optimizer state on disk, the newest
+    assert harness.read_meta(str(out / "final"))["next_update"] == 3
 
 
 def test_a_finished_run_extended_on_more_ranks_keeps_its_checkpoints(tmp_path):
@@ -162,11 +165,11 @@ def test_a_finished_run_extended_on_more_ranks_keeps_its_checkpoints(tmp_path):
     assert [r["update"] for r in rows_of(out)] == [0, 1]
     kept = weights(out / "update1")  # the old final/, renamed: the new last update wrote final/
     assert all(torch.equal(first[k], kept[k]) for k in first)
-    assert C.read_meta(str(out / "final"))["next_update"] == 2 and not (out / "update1" / C.STATE).exists()
+    assert harness.read_meta(str(out / "final"))["next_update"] == 2 and not (out / "update1" / harness.STATE).exists()
     # it trained on: the resharded AdamW state took a second step. (The weights need not move: the random tiny policy's
     # groups are all tied (A = 0) and it equals π_ref, so every gradient is exactly 0 now that scoring and training
     # forwards are batched alike; the old check passed on float noise between differently padded batches.)
-    osd = torch.load(out / "final" / C.STATE / "optimizer.pt", weights_only=True)
+    osd = torch.load(out / "final" / harness.STATE / "optimizer.pt", weights_only=True)
     steps = {float(v["step"]) for v in osd["state"].values()}
     assert steps == {2.0}, steps
 
@@ -184,7 +187,7 @@ def one_rank():
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     try:
-        yield C.init_distributed(seed=0)
+        yield models.init_distributed(seed=0)
     finally:
         dist.destroy_process_group()
         for k, v in saved.items():
@@ -212,21 +215,21 @@ def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path):
     for name in ("update10", "final", "update5", "update20.tmp", "tensorboard"):
         (tmp_path / name).mkdir()
     for name in ("update10", "final"):
-        (tmp_path / name / C.STATE).mkdir()
-        (tmp_path / name / C.STATE / "meta.json").write_text('{"next_update": 10}')
+        (tmp_path / name / harness.STATE).mkdir()
+        (tmp_path / name / harness.STATE / "meta.json").write_text('{"next_update": 10}')
     (tmp_path / "update5" / "config.json").write_text("{}")  # a pruned checkpoint: a plain HF directory
     (tmp_path / "notes").mkdir()
     (tmp_path / "metrics.jsonl").write_text('{"update": 9}\n')
 
     args = opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True, eval_only=True))
     with one_rank() as d:  # eval-only: only the rows go (the model it scores may be one of these checkpoints)
-        C.Run(args, "opid", d, 1).close()
+        harness.Run(args, "opid", d, 1).close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "final", "metrics.jsonl", "notes",
                                                             "tensorboard", "update10", "update20.tmp", "update5"]
     args = opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True))
     rng = random.getstate(), torch.get_rng_state()
     with one_rank() as d:
-        r = C.Run(args, "opid", d, args.updates)
+        r = harness.Run(args, "opid", d, args.updates)
         r.close()
     assert random.getstate() == rng[0] and torch.equal(torch.get_rng_state(), rng[1])  # seeded streams untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "metrics.jsonl", "notes"]
@@ -236,13 +239,13 @@ def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path):
 def test_resume_keeps_the_rows_its_checkpoint_covers_and_recovers_its_own(tmp_path):
     """A kill between saving update 2's checkpoint and logging its row, with update 3's row half written."""
     import opid
-    (tmp_path / "update2" / C.STATE).mkdir(parents=True)
+    (tmp_path / "update2" / harness.STATE).mkdir(parents=True)
     meta = {"next_update": 2, "row": {"update": 1, "x": 1.5}, "world_size": 1}
-    (tmp_path / "update2" / C.STATE / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "update2" / harness.STATE / "meta.json").write_text(json.dumps(meta))
     (tmp_path / "metrics.jsonl").write_text('{"update": 0, "x": 0.5}\n{"update": 2, "x": 9}\n{"upda')
     args = opid.resolve(opid.Args(out_dir=str(tmp_path), resume=True, updates=4))
     with one_rank() as d:
-        r = C.Run(args, "opid", d, args.updates)
+        r = harness.Run(args, "opid", d, args.updates)
         r.close()
     assert rows_of(tmp_path) == [{"update": 0, "x": 0.5}, {"update": 1, "x": 1.5}]
     assert r.start == 2 and r.state == str(tmp_path / "update2")
@@ -291,7 +294,7 @@ def test_plot_draws_one_line_per_run_and_writes_a_png(two_runs, tmp_path):
     pytest.importorskip("matplotlib", reason="pip install matplotlib")
     import matplotlib.image
     out = tmp_path / "curves.png"
-    fig = C.plot_runs([str(p) for p in two_runs], str(out))
+    fig = plot.plot_runs([str(p) for p in two_runs], str(out))
     for ax in fig.axes:
         assert len(ax.get_lines()) == 2, ax.get_title()
         labels = [line.get_label() for line in ax.get_lines()]
@@ -300,12 +303,12 @@ def test_plot_draws_one_line_per_run_and_writes_a_png(two_runs, tmp_path):
     assert img.shape[0] > 300 and img.shape[1] > 500 and out.stat().st_size > 10_000
     ys = fig.axes[2].get_lines()[0].get_ydata()  # total loss of the GRPO run, as logged
     assert list(ys) == [r["losses/total"] for r in rows_of(two_runs[0])]
-    res = run([sys.executable, str(HERE / "common.py"), "plot", *map(str, two_runs), "-o", str(tmp_path / "b.png")])
+    res = run([sys.executable, str(HERE / "tools" / "plot.py"), "plot", *map(str, two_runs), "-o", str(tmp_path / "b.png")])
     assert "wrote" in res.stdout and (tmp_path / "b.png").stat().st_size > 10_000
 
 
 def test_compare_prints_one_row_per_run(two_runs):
-    res = run([sys.executable, str(HERE / "common.py"), "compare", *map(str, two_runs)])
+    res = run([sys.executable, str(HERE / "tools" / "plot.py"), "compare", *map(str, two_runs)])
     lines = res.stdout.strip().splitlines()
     assert lines[0].startswith("| run | updates | final eval | best eval |") and "× first" in lines[0]
     assert len(lines) == 4 and lines[2].endswith("| 1.00× |")
@@ -325,7 +328,7 @@ def test_cli_refuses_abbreviations_and_unknown_choices_before_loading(monkeypatc
     for argv in (["--upd", "3"], ["--eval_split", "valid_unsen"], ["--track", "mlflow"]):
         monkeypatch.setattr(sys, "argv", ["seed.py", *argv])
         with pytest.raises(SystemExit) as e:
-            C.parse_args(seed.Args, seed.PAPER, seed.TINY)
+            harness.parse_args(seed.Args, seed.PAPER, seed.TINY)
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: --upd" in err and "invalid choice: 'valid_unsen'" in err
@@ -341,7 +344,7 @@ def test_help_shows_defaults_and_what_none_resolves_to(monkeypatch, capsys):
     import opid
     monkeypatch.setattr(sys, "argv", ["opid.py", "--help"])
     with pytest.raises(SystemExit):
-        C.parse_args(opid.Args, opid.PAPER, opid.TINY)
+        harness.parse_args(opid.Args, opid.PAPER, opid.TINY)
     out = " ".join(capsys.readouterr().out.split())
     assert "[default: alfworld 150, search 150, webshop 150, tiny model 2]" in out  # --updates
     assert "[default: alfworld 0.01, search 0.001, webshop 0.01]" in out            # --beta_kl
@@ -361,7 +364,7 @@ def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
     """python bench.py --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
     over HTTP as OPID's analyzer (so OPID's teacher scores tokens), the table and bench.json (CI, ≤ 2 minutes)."""
     out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, str(HERE / "bench.py"), "--smoke", "--out", str(out)], cwd=HERE,
+    res = subprocess.run([sys.executable, str(HERE / "tools" / "bench.py"), "--smoke", "--out", str(out)], cwd=HERE,
                          env=env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     info = json.loads((out / "bench.json").read_text())

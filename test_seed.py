@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import common as C
+import harness
+import models
 import envs
 import seed
 
@@ -24,12 +26,12 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def d():
-    return C.init_distributed(seed=0)  # a 1-rank gloo group, as `python seed.py` uses
+    return models.init_distributed(seed=0)  # a 1-rank gloo group, as `python seed.py` uses
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return C.load_tokenizer("tiny")
+    return models.load_tokenizer("tiny")
 
 
 def play(env, tok, responses):
@@ -104,16 +106,16 @@ def run_update(d, tok, batch, sgd=False, engine_shift=None, **kw):
     samples, adv = seed.build_samples([tr for tr, _ in mine], [s for _, s in mine], tok, args)
     if engine_shift is not None:  # (set after resolve: the CLI allows --rollout_is only with --engine vllm)
         args.rollout_is = "token"
-        old = C.score(C.load_model("tiny", 0), [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+        old = C.score(models.load_model("tiny", 0), [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                       8, d.device)
         for s, lp in zip(samples, old):
             s.engine_logp = (lp - engine_shift).tolist()
-    policy = C.shard(C.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
-    ref = C.shard(C.load_model("tiny", 0), d, bf16=False, trainable=False)
+    policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
+    ref = models.shard(models.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
         torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     random.seed(d.rank)  # the same mini-batch order in every call
-    row = seed.seed_update(policy, ref, opt, samples, args, d, C.Timer())
+    row = seed.seed_update(policy, ref, opt, samples, args, d, harness.Timer())
     params = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
     return row, params, samples, adv
 
@@ -184,7 +186,7 @@ def test_lambda_opd_zero_matches_an_independent_grpo_step(d, tok, batch):
     """The λ_opd = 0 update, recomputed here from scratch on an unsharded model in one batch: ρ = exp(ℓ − ℓ_old),
     −min(ρA, clip(ρ)A) + 0.01·k3-KL to π_ref (= the initial weights), token mean, clip to norm 1, SGD step."""
     _, got, samples, _ = run_update(d, tok, batch, sgd=True, lambda_opd=0.0)
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with torch.no_grad():
         old, _ = C.sequence_logprobs(model, P, R, "cpu")
@@ -240,7 +242,7 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
 def test_sft_stage_learns_to_write_skills(d, tok, batch):
     trajs, _ = batch
     data = [(seed.trajectory_input(tr), "Workflow: find it, take it, put it in place.") for tr in trajs[:4]]
-    policy = C.shard(C.load_model("tiny", 0), d, bf16=False)
+    policy = models.shard(models.load_model("tiny", 0), d, bf16=False)
     out = seed.sft_train(policy, tok, data, make_args(sft_lr=3e-3, sft_epochs=10, sft_batch=4), d)
     assert out["sft/steps"] == 10
     assert out["sft/loss_last"] < 0.5 * out["sft/loss_first"]
@@ -299,11 +301,11 @@ def test_chat_client_retries_and_counts_failures():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Annotator)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     Annotator.calls = 2  # the next call is the 3rd (answered), the one after it the 4th (HTTP 500, then retried)
-    ok = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=1)
+    ok = harness.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=1)
     replies = ok.complete_many(["Outcome: success", "Outcome: failure"], 0.0, 64)
     server.shutdown()
     assert all(seed.parse_skill(r) for r in replies) and ok.failures == 0 and Annotator.calls == 5
-    dead = C.ChatClient(f"http://127.0.0.1:{free_port()}/v1", "m", retries=1)  # nothing listens there
+    dead = harness.ChatClient(f"http://127.0.0.1:{free_port()}/v1", "m", retries=1)  # nothing listens there
     assert dead.complete_many(["x", "y"], 0.0, 8) == [None, None] and dead.failures == 2
 
 
@@ -334,7 +336,7 @@ class Flaky(BaseHTTPRequestHandler):
 def test_chat_client_survives_cut_bodies_and_odd_content():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = C.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=1)
+    client = harness.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=1)
     first = client.complete([{"role": "user", "content": "x"}], 0.0, 8)  # cut body, then list content on retry
     second = client.complete([{"role": "user", "content": "x"}], 0.0, 8)  # non-text, then a cut body: gives up
     server.shutdown()
@@ -447,9 +449,9 @@ def free_port():
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update
-    dist_ = C.init_distributed(seed=0)
-    tok_ = C.load_tokenizer("tiny")
+    dist_ = models.init_distributed(seed=0)
+    tok_ = models.load_tokenizer("tiny")
     row_, params_, _, _ = run_update(dist_, tok_, expert_batch(tok_), sgd=True, micro_batch_tokens=1500)
     if dist_.main:
         torch.save({"row": row_, "params": params_}, sys.argv[1])
-    C.shutdown()
+    models.shutdown()

@@ -33,8 +33,9 @@ def env():
 def household_pairs(n_tasks: int):
     """(prompt ids, expert response ids + end-of-turn) along the household expert's paths, and the prompts alone."""
     import common as C
+    import models
     import envs
-    tok = C.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     env_ = envs.make_env("household", split="train", seed=0, max_steps=6)
     pairs = []
     for task in env_.task_ids()[:n_tasks]:
@@ -45,7 +46,7 @@ def household_pairs(n_tasks: int):
                 break
             response = envs.format_expert_response(action, "household")
             prompt = C.encode_prompt(tok, env_.prompt(), 1024)[0]
-            pairs.append((prompt, tok(response, add_special_tokens=False)["input_ids"] + [C.stop_token_ids(tok)[0]]))
+            pairs.append((prompt, tok(response, add_special_tokens=False)["input_ids"] + [models.stop_token_ids(tok)[0]]))
             if env_.step(response)[2]:
                 break
     return pairs
@@ -73,18 +74,19 @@ def child(out_path: str):
     import torch
 
     import common as C
-    d = C.init_distributed(seed=0)
-    tok = C.load_tokenizer("tiny")
+    import models
+    d = models.init_distributed(seed=0)
+    tok = models.load_tokenizer("tiny")
     pairs = household_pairs(12)
-    model = C.load_model("tiny", 0)
+    model = models.load_model("tiny", 0)
     fit(model, pairs, 60, 3e-3, d.device)
     path = tempfile.mkdtemp(prefix="vllm-test-")
     model.save_pretrained(path)
     tok.save_pretrained(path)
     args = SimpleNamespace(seed=0, bf16=False, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25)
-    engine = C.VLLMEngine(path, tok, d, args)
+    engine = models.VLLMEngine(path, tok, d, args)
     out = {"threads_after_engine": torch.get_num_threads()}
-    hf = C.HFEngine(C.load_model(path, 0), tok, d.device)
+    hf = models.HFEngine(models.load_model(path, 0), tok, d.device)
     prompts = [pairs[i][0] for i in range(0, len(pairs), max(1, len(pairs) // 10))][:10]
     out["prompt_lens"] = [len(p) for p in prompts]
     out["stops"] = engine.stops
@@ -99,14 +101,14 @@ def child(out_path: str):
         torch.manual_seed(seed)
         out[f"seeded_{tag}"] = engine.generate(prompts, 24, 1.0)
     # an optimizer step on the FSDP-sharded policy, then sync() into both engines
-    policy = C.shard(C.load_model(path, 0), d, bf16=False)
+    policy = models.shard(models.load_model(path, 0), d, bf16=False)
     fit(policy, [(p, r) for (p, _), (_, r) in zip(pairs, pairs[5:] + pairs[:5])], 10, 3e-3, d.device)  # other answers
     engine.sync(policy)
     hf.sync(policy)
     out["pushed_vllm"] = engine.generate(prompts, 40, 0.0)
     out["pushed_hf"] = hf.generate(prompts, 40, 0.0)
     json.dump(out, open(out_path, "w"))
-    C.shutdown(engine)
+    models.shutdown(engine)
     os.system(f"rm -rf {path}")
 
 

