@@ -152,8 +152,7 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # Σm over the whole mini-batch
-            for m in C.minibatch_chunks(d, ("", P, R, C.micro_batches(mb, P, R, args.micro_batch,
-                                                                       args.micro_batch_tokens))):
+            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)):
                 logp, mask = m.logprobs(policy)                                    # ℓ_θ, with gradient
                 old_lp, adv = m.rows(old), m.rows(adv_tok) * m.rows(is_w, dummy=1.0)  # A per token (· w: rollout_is)
                 _, pg, kl = S.grpo_loss(logp, old_lp, m.rows(ref_lp), adv, mask, args.clip_eps, args.beta_kl, n_tok)
@@ -178,7 +177,7 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
     if args.rlsd_lambda > 0:  # mean Â/A over the tokens of turns with A ≠ 0: how much the teacher re-weighted
         sums["rlsd_w"] = sum((a / s.adv).sum().item() for a, s in zip(adv_tok, samples) if s.adv)
         sums["rlsd_tokens"] = float(sum(len(a) for a, s in zip(adv_tok, samples) if s.adv))
-    tot = C.global_sums(d, **sums)
+    tot = C.global_sums(sums, d)
     rlsd = {"rlsd/lambda": lam_t, "rlsd/weight_mean": tot["rlsd_w"] / max(tot["rlsd_tokens"], 1.0)} \
         if args.rlsd_lambda > 0 else {}
     n_opd = max(tot["opd_tokens"], 1.0)

@@ -71,7 +71,7 @@ def global_sum(values: list[float], device) -> list[float]:
     return all_reduce(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
 
 
-def global_sums(d: Dist, **values: float) -> dict[str, float]:
+def global_sums(values: dict[str, float], d: Dist) -> dict[str, float]:
     """Each named value summed over all ranks (one all-reduce), back under its name."""
     return dict(zip(values, global_sum(list(values.values()), d.device)))
 
@@ -376,7 +376,7 @@ def pad_right(rows: list[torch.Tensor], device, value: float = 0.0) -> torch.Ten
 class MicroBatch:
     """One forward/backward of a mini-batch on this rank (from minibatch_chunks). A dummy (no samples: idx empty)
     keeps this rank's FSDP collectives in step with the others; its loss is multiplied by scale = 0."""
-    kind: str                     # which source it comes from (GRSD: "task" turns or "ref" reflections)
+    kind: str                     # "" (the main source), or the kind of a further one (GRSD: "ref")
     idx: list[int]                # its samples' indices in that source
     prompts: list[list[int]]
     responses: list[list[int]]
@@ -401,14 +401,14 @@ class MicroBatch:
         return torch.tensor([[float(per_sample[i])] for i in self.idx] or [[dummy]], device=self.device)
 
 
-def minibatch_chunks(d: Dist, *sources):
+def minibatch_chunks(d: Dist, prompts, responses, chunks: list[list[int]], *more):
     """The micro-batches of one mini-batch on this rank, then dummies until it has run as many forwards as the rank
-    with the most. sources: (kind, prompts, responses, chunks), chunks from micro_batches over the mini-batch's
-    indices into that source's prompts / responses; a dummy takes the first source's kind."""
-    chunks = [(kind, P, R, idx) for kind, P, R, parts in sources for idx in parts]
-    kind, P, R, _ = sources[0]
-    chunks += [(kind, P, R, [])] * (global_max(len(chunks), d.device) - len(chunks))
-    for kind, P, R, idx in chunks:
+    with the most. chunks: micro_batches over the mini-batch's indices into prompts / responses; more: further
+    (kind, prompts, responses, chunks) sources in the same forwards (GRSD's reflections), told apart by m.kind."""
+    parts = [("", prompts, responses, chunks), *more]
+    todo = [(kind, P, R, idx) for kind, P, R, part in parts for idx in part]
+    todo += [("", prompts, responses, [])] * (global_max(len(todo), d.device) - len(todo))
+    for kind, P, R, idx in todo:
         yield MicroBatch(kind, idx, [P[i] for i in idx] or [DUMMY[0]], [R[i] for i in idx] or [DUMMY[1]],
                          d.world if idx else 0.0, d.device)
 

@@ -423,7 +423,7 @@ class HouseholdEnv(Env):
 # ----------------------------------------------------------------------------- alfworld (real games)
 _TW_IDS: dict[tuple, str] = {}
 # Gym envs of finished games, per (expert, max_steps), for the next game to load into: every new textworld env
-# dlopens its own copy of fast-downward's library and never unloads it (~5 MB each, measured), so a run that made
+# dlopens its own copy of fast-downward's library and never unloads it (docs/cost.md), so a run that made
 # one per episode would grow by gigabytes; switching an existing env to another game file reuses its library.
 _FREE_GAMES: dict[tuple, list] = {}
 
@@ -438,8 +438,8 @@ def _import_alfworld():
         raise ImportError("the 'alfworld' environment needs: pip install alfworld==0.4.2 pyyaml") from e
     import fast_downward
     if not hasattr(fast_downward.pddl2sas, "cache_info"):
-        # Every load and reset of a game translates its PDDL problem 4 times (fast_downward.pddl2sas: ~95 % of the
-        # 0.5-3.9 s a reset costs). The translation depends only on the (domain, problem) text and textworld only
+        # Every load and reset of a game translates its PDDL problem 4 times (fast_downward.pddl2sas: most of what
+        # a reset costs, docs/cost.md). The translation depends only on the (domain, problem) text and textworld only
         # reads the result, so the translations of the last 256 games are kept in this process (< 1 MB a game);
         # textworld looks the function up at call time. Trajectories are unchanged (test_envs).
         fast_downward.pddl2sas = functools.lru_cache(maxsize=256)(fast_downward.pddl2sas)

@@ -48,8 +48,8 @@ Deviations / choices:
     number of reflections in the mini-batch (reflections are spread evenly over the mini-batches and enter the
     same backward pass; those with A_ref = 0 add exactly 0 and skip the forward pass).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (SDAR / verl defaults, App. C).
-  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; common.py,
-    README "Rollout engines"). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
+  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; models.py,
+    docs/engines.md). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
     engine's log-probs only feed the rollout/logp_diff_* metrics unless --rollout_is token|sequence (off by
     default) multiplies the advantage of the clipped surrogate by w = min(π_θold / π_engine, C).
 """
@@ -68,7 +68,6 @@ from torch.distributed import ReduceOp
 import common as C
 import harness
 import models
-import envs
 from harness import arg
 
 GUIDANCE_MODES = ("group", "none", "unaggregated", "success_only")
@@ -76,25 +75,9 @@ MODULATIONS = ("turn", "token", "trajectory")
 
 
 @dataclass
-class Args:
+class Args(harness.RunArgs):
     """GRSD (Table 5 / §4.1 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
-    env: str = arg("household", "household (embedded), alfworld, search or webshop", envs.ENV_NAMES)
-    env_rules: str = arg("verl_agent", "household/alfworld/webshop rules: verl_agent (verl-agent's: only a malformed "
-                         "reply −0.1, success 10; alfworld/webshop also its projection and prompt) or strict (every "
-                         "invalid step −0.1, success 1 / WebShop's score)", envs.RULES)
-    model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
-    data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
-                                     "items_*.json)")
-    env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
-                                 "steps overlap (0: in the trainer's process)")
-    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
-    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
-    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
-    endpoint_timeout: float = arg(60.0, "seconds an external judge request may wait (a batch is sent at once)")
-    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
-    require_endpoint: bool = arg(False, "stop the run when the judge endpoint or the retriever fails a whole update")
     out_dir: str = arg("runs/grsd", "metrics.jsonl and checkpoints go here")
-    seed: int = arg(0, "random seed")
     # Stage A / judge (§3.2, App. C)
     judge_url: str | None = arg(None, "OpenAI-compatible base URL of the reflection judge (default: θ_old judges)")
     judge_model: str = arg("deepseek-v4-flash", "model name sent to the judge endpoint")
@@ -120,37 +103,9 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient clipping")
     clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)")
     beta_kl: float = arg(0.01, "KL coefficient β (paper 0.01)")
-    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
-    max_response_len: int | None = arg(None, "response tokens (paper 512)")
     max_steps: int | None = arg(None, "episode step limit (paper 50 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
-    temperature: float = arg(1.0, "rollout (and reflection / guidance) sampling temperature")
-    top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256)")
-    micro_batch: int | None = arg(None, "sequences per forward/backward on one rank")
-    micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
-                                         "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
-                                         "micro_batch × (max_prompt_len + max_response_len))")
-    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
-    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
-    # Rollout engine (common.make_engine; README, vLLM)
-    engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
-                                   "else hf)", ("hf", "vllm"))
-    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
-    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
-    rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
-                                  "(as the papers), token or sequence", C.ROLLOUT_IS)
-    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
-    eval_every: int | None = arg(None, "validate every k updates (and after the last)")
-    eval_tasks: int | None = arg(None, "held-out tasks per validation")
-    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
-                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", harness.EVAL_SPLITS)
     eval_temperature: float = arg(0.6, "validation sampling temperature (paper 0.6)")
-    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
-    # The run directory (common.Run)
-    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
-    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
-    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
-    track: str = arg("none", "also send every metrics row to this tracker", harness.TRACKERS)
 
 
 PAPER = {  # §4.1, App. C
@@ -507,45 +462,41 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             mb, rmb = order[b::n_mb], r_order[b::n_mb]
             # Σ 1/N_i over the mini-batch's task tokens (its trajectories) and its reflection count (all of them)
             denom, r_denom = C.global_sum([sum(turns[j].weight * len(R[j]) for j in mb), float(len(rmb))], d.device)
-            chunks = [("task", c) for c in C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)] + \
-                     [("ref", c) for c in C.micro_batches([j for j in rmb if j in r_old], RP, RR, args.micro_batch,
-                                                          args.micro_batch_tokens)]
-            chunks += [("pad", [])] * (C.global_max(len(chunks), d.device) - len(chunks))  # equal FSDP forwards
-            for kind, idx in chunks:
-                src = refls if kind == "ref" else turns
-                p = [src[j].prompt_ids for j in idx] or [C.DUMMY[0]]
-                r = [src[j].response_ids for j in idx] or [C.DUMMY[1]]
-                logp, mask = C.sequence_logprobs(policy, p, r, d.device)
-                w = torch.tensor([src[j].weight for j in idx] or [0.0], device=d.device)[:, None]
-                if kind == "ref":                                                   # Eq. (14), weight α
-                    o = C.pad_right([r_old[j] for j in idx], d.device)
-                    a = torch.tensor([refls[j].adv for j in idx], device=d.device)[:, None]
-                    pg = grpo_surrogate(logp, o, a, mask, w, args.clip_eps, r_denom)
+            task = C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)
+            ref_chunks = C.micro_batches([j for j in rmb if j in r_old], RP, RR, args.micro_batch,
+                                         args.micro_batch_tokens)
+            for m in C.minibatch_chunks(d, P, R, task, ("ref", RP, RR, ref_chunks)):
+                logp, mask = m.logprobs(policy)                                     # ℓ_θ, with gradient
+                w = m.column([s.weight for s in (refls if m.kind == "ref" else turns)])  # 1/N_i of its trajectory
+                if m.kind == "ref":                                                 # Eq. (14), weight α
+                    pg = grpo_surrogate(logp, m.rows(r_old), m.column([s.adv for s in refls]), mask, w,
+                                        args.clip_eps, r_denom)
                     loss = args.alpha * pg
                     sums["ref"] += pg.item()
                 else:                                                               # Eq. (13) + β·KL
-                    rows_ = lambda xs: C.pad_right([xs[j] for j in idx] or [torch.zeros(1)], d.device)  # noqa: E731
-                    loss, pg, kl = grsd_task_loss(logp, rows_(old), rows_(ref_lp), rows_(adv) * rows_(is_w), mask, w,
-                                                  args.clip_eps, args.beta_kl, denom)
+                    loss, pg, kl = grsd_task_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mask,
+                                                  w, args.clip_eps, args.beta_kl, denom)
                     sums["pg"] += pg.item()
                     sums["kl"] += kl.item()
-                    sums["tokens"] += mask.sum().item() * bool(idx)
-                (loss * (d.world if idx else 0.0)).backward()  # FSDP averages over ranks; padding counts 0
+                    sums["tokens"] += mask.sum().item() * m.real
+                (loss * m.scale).backward()  # FSDP averages over ranks; a dummy counts 0
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))          # Alg. 1 l.29
     a_plain = torch.cat([torch.full((len(r),), s.adv) for s, r in zip(turns, R)]) if turns else torch.zeros(0)
     a_hat = torch.cat(adv) if adv else torch.zeros(0)
     w_ratio = (a_hat / a_plain)[a_plain != 0]
-    vals = C.global_sum([sums["pg"], sums["kl"], sums["ref"], sums["tokens"], delta_turn.abs().sum().item(),
-                         delta_turn.sum().item(), float(delta_turn.numel()), (a_hat - a_plain).abs().sum().item(),
-                         float(a_hat.numel())], d.device)
-    pg, kl, lref, n_tok, d_abs, d_sum, n_d, dev, n_a = vals
+    tot = C.global_sums({"pg": sums["pg"], "kl": sums["kl"], "ref": sums["ref"], "tokens": sums["tokens"],
+                         "delta_abs": delta_turn.abs().sum().item(), "delta": delta_turn.sum().item(),
+                         "delta_n": float(delta_turn.numel()), "shift_abs": (a_hat - a_plain).abs().sum().item(),
+                         "adv_n": float(a_hat.numel())}, d)
+    pg, kl, lref, n_tok = tot["pg"], tot["kl"], tot["ref"], tot["tokens"]
     lo, hi = (w_ratio.min().item(), w_ratio.max().item()) if w_ratio.numel() else (math.inf, -math.inf)
     w_lo = C.all_reduce(torch.tensor([lo], device=d.device), ReduceOp.MIN).item()  # ranks without A ≠ 0 are neutral
     w_hi = C.all_reduce(torch.tensor([hi], device=d.device), ReduceOp.MAX).item()
     return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref / n_mb,
             "losses/total": (pg + args.beta_kl * kl + args.alpha * lref) / n_mb,
-            "grsd/delta_mean": d_sum / max(n_d, 1), "grsd/delta_abs_mean": d_abs / max(n_d, 1),  # Fig. 3b, per turn
-            "grsd/adv_shift_abs": dev / max(n_a, 1),                      # mean |Â − A| over task tokens
+            "grsd/delta_mean": tot["delta"] / max(tot["delta_n"], 1),  # Fig. 3b, per turn
+            "grsd/delta_abs_mean": tot["delta_abs"] / max(tot["delta_n"], 1),
+            "grsd/adv_shift_abs": tot["shift_abs"] / max(tot["adv_n"], 1),  # mean |Â − A| over task tokens
             "grsd/weight_min": w_lo if math.isfinite(w_lo) else 1.0,   # w = Â/A ∈ [1 − λĜ, 1 + λĜ]
             "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
             "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
@@ -591,16 +542,19 @@ def main(args: Args):
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         row = {"update": update, **grsd_update(policy, ref, opt, turns, refls, args, d, timer)}
         scores = [s for s in refl[3] if s is not None]
-        s = C.global_sum([len(trajs), sum(x is not None for x in refl[2]), len(scores), sum(scores),
-                          len(groups), sum(mixed.values()), sum(z is not None for z in guidance.values()), n_empty,
-                          sum(len({tr.won for tr in trajs if tr.group == g}) == 2 for g in groups),
-                          counts["reflection_truncated"], counts["guidance_truncated"]], d.device)
-        row.update({"reflection/valid_rate": s[1] / max(s[0], 1), "reflection/judged_rate": s[2] / max(s[0], 1),
-                    "reflection/reward_mean": s[3] / max(s[2], 1),            # Fig. 9a
-                    "guidance/valid_group_ratio": s[5] / max(s[4], 1),         # Fig. 9b: m_x = 1 (Alg. 1 l.15)
-                    "guidance/mixed_outcome_ratio": s[8] / max(s[4], 1),       # groups with wins and losses
-                    "reflection/truncated_prompts": s[9], "guidance/truncated_prompts": s[10],
-                    "guidance/active_groups": s[6], "guidance/empty": s[7],
+        s = C.global_sums({"trajs": len(trajs), "reflections": sum(x is not None for x in refl[2]),
+                           "judged": len(scores), "score": sum(scores), "groups": len(groups),
+                           "mixed": sum(mixed.values()), "active": sum(z is not None for z in guidance.values()),
+                           "empty": n_empty, "mixed_outcome": sum(len({tr.won for tr in trajs if tr.group == g}) == 2
+                                                                  for g in groups),
+                           "refl_cut": counts["reflection_truncated"], "guide_cut": counts["guidance_truncated"]}, d)
+        row.update({"reflection/valid_rate": s["reflections"] / max(s["trajs"], 1),
+                    "reflection/judged_rate": s["judged"] / max(s["trajs"], 1),
+                    "reflection/reward_mean": s["score"] / max(s["judged"], 1),     # Fig. 9a
+                    "guidance/valid_group_ratio": s["mixed"] / max(s["groups"], 1),  # Fig. 9b: m_x = 1 (Alg. 1 l.15)
+                    "guidance/mixed_outcome_ratio": s["mixed_outcome"] / max(s["groups"], 1),  # wins and losses
+                    "reflection/truncated_prompts": s["refl_cut"], "guidance/truncated_prompts": s["guide_cut"],
+                    "guidance/active_groups": s["active"], "guidance/empty": s["empty"],
                     **harness.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})

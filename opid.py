@@ -45,8 +45,8 @@ Deviations / choices:
   * The loss is a token mean over the mini-batch's valid tokens (all ranks); KL is the k3 estimator to π_ref
     (the base model), β = 0.01 (0.001 for Search).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (B.4 / official scripts).
-  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; common.py,
-    README "Rollout engines"). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
+  * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; models.py,
+    docs/engines.md). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
     engine's log-probs only feed the rollout/logp_diff_* metrics unless --rollout_is token|sequence (off by
     default) multiplies the advantage of the clipped surrogate by w = min(π_θold / π_engine, C).
 """
@@ -71,25 +71,9 @@ MODES = ("critical_first", "episode_only", "step_only", "additive")
 
 
 @dataclass
-class Args:
+class Args(harness.RunArgs):
     """OPID (B.4 / official scripts; fields left at None take the per-env paper value, or the tiny preset)."""
-    env: str = arg("household", "household (embedded), alfworld, search or webshop", envs.ENV_NAMES)
-    env_rules: str = arg("verl_agent", "household/alfworld/webshop rules: verl_agent (verl-agent's: only a malformed "
-                         "reply −0.1, success 10; alfworld/webshop also its projection and prompt) or strict (every "
-                         "invalid step −0.1, success 1 / WebShop's score)", envs.RULES)
-    model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
-    data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
-                                     "items_*.json)")
-    env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
-                                 "steps overlap (0: in the trainer's process)")
-    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
-    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
-    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
-    endpoint_timeout: float = arg(60.0, "seconds an external analyzer request may wait (a batch is sent at once)")
-    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
-    require_endpoint: bool = arg(False, "stop the run when the analyzer endpoint or the retriever fails a whole update")
     out_dir: str = arg("runs/opid", "metrics.jsonl and checkpoints go here")
-    seed: int = arg(0, "random seed")
     # Analyzer (§3.2, B.4)
     analyzer_url: str | None = arg(None, "OpenAI-compatible base URL of the analyzer (default: θ_old analyzes)")
     analyzer_model: str = arg("glm-5.2", "model name sent to the analyzer endpoint")
@@ -110,37 +94,9 @@ class Args:
     clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)")
     beta_kl: float | None = arg(None, "KL coefficient β (0.01; 0.001 for Search)")
     lambda_skill: float = arg(0.001, "λ_skill (official scripts 0.001); 0 = plain GRPO")
-    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
-    max_response_len: int | None = arg(None, "response tokens (paper 512)")
     max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
-    temperature: float = arg(1.0, "rollout sampling temperature")
-    top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
-    micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
-    micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
-                                         "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
-                                         "micro_batch × (max_prompt_len + max_response_len))")
-    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
-    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
-    # Rollout engine (common.make_engine; README, vLLM)
-    engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
-                                   "else hf)", ("hf", "vllm"))
-    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
-    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
-    rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
-                                  "(as the papers), token or sequence", C.ROLLOUT_IS)
-    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
-    eval_every: int | None = arg(None, "validate every k updates (and after the last)")
-    eval_tasks: int | None = arg(None, "held-out tasks per validation")
-    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
-                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", harness.EVAL_SPLITS)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
-    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
-    # The run directory (common.Run)
-    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
-    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
-    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
-    track: str = arg("none", "also send every metrics row to this tracker", harness.TRACKERS)
 
 
 PAPER = {  # B.4, Table 6, official scripts
@@ -578,21 +534,16 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # valid tokens of the whole mini-batch
-            for idx in C.pad_chunks(C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens), d.device):
-                scale = d.world if idx else 0.0  # FSDP averages gradients over ranks; dummy chunks count 0
-                p = [P[i] for i in idx] or [C.DUMMY[0]]
-                r = [R[i] for i in idx] or [C.DUMMY[1]]
-                logp, mb_mask = C.sequence_logprobs(policy, p, r, d.device)              # ℓ_θ, with gradient
-                rows = lambda xs: C.pad_right([xs[i] for i in idx] or [torch.zeros(1)], d.device)  # noqa: E731
-                loss, pg, kl = opid_loss(logp, rows(old), rows(ref_lp), rows(adv) * rows(is_w), mb_mask,
+            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)):
+                logp, mb_mask = m.logprobs(policy)                                        # ℓ_θ, with gradient
+                loss, pg, kl = opid_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mb_mask,
                                          args.clip_eps, args.beta_kl, n_tok)               # l.29-30 (· w: --rollout_is)
-                (loss * scale).backward()
-                sums["pg"] += pg.item() * bool(idx)
-                sums["kl"] += kl.item() * bool(idx)
-                sums["tokens"] += mb_mask.sum().item() * bool(idx)
+                (loss * m.scale).backward()
+                sums["pg"] += pg.item() * m.real
+                sums["kl"] += kl.item() * m.real
+                sums["tokens"] += mb_mask.sum().item() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))              # l.31
-    keys = sorted(sums)
-    tot = Counter(dict(zip(keys, C.global_sum([sums[k] for k in keys], d.device))))
+    tot = Counter(C.global_sums(sums, d))
     n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
     taught = [s for s in samples if s.teacher_ids] if args.lambda_skill > 0 else []  # what l.19 scored
     return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb,
@@ -613,10 +564,10 @@ def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> di
     keys = ["requests", "failed", "no_json", "no_episode_skill", "bad_step_skills", "bad_key",
             "out_of_range", "bad_skill", "duplicate", "truncated", "critical_steps"]
     route_keys = ["step", "episode", "both", "none", "anchor_fallbacks"]
-    vals = C.global_sum([events[k] for k in keys] + [routes[k] for k in route_keys] +
-                        [len(trajs), sum(a is not None for a in analyses)], d.device)
-    ev, rt = dict(zip(keys, vals[:len(keys)])), dict(zip(route_keys, vals[len(keys):-2]))
-    n_traj, n_ok = vals[-2:]
+    tot = C.global_sums({**{k: events[k] for k in keys}, **{"route_" + k: routes[k] for k in route_keys},
+                         "trajectories": len(trajs), "parsed": sum(a is not None for a in analyses)}, d)
+    ev, rt = {k: tot[k] for k in keys}, {k: tot["route_" + k] for k in route_keys}
+    n_traj, n_ok = tot["trajectories"], tot["parsed"]
     n_turns = max(sum(rt[k] for k in ("step", "episode", "both", "none")), 1)
     out = {f"analyzer/{k}": v for k, v in ev.items() if k != "critical_steps"}
     out.update({"analyzer/parsed_frac": n_ok / max(n_traj, 1),

@@ -64,7 +64,6 @@ import torch
 
 import baselines
 import common as C
-import envs
 import harness
 import models
 from harness import arg
@@ -74,25 +73,9 @@ DISTILL = ("opd", "sdl")
 
 
 @dataclass
-class Args:
+class Args(harness.RunArgs):
     """SEED (Table 5 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
-    env: str = arg("household", "household (embedded), alfworld, search or webshop", envs.ENV_NAMES)
-    env_rules: str = arg("verl_agent", "household/alfworld/webshop rules: verl_agent (verl-agent's: only a malformed "
-                         "reply −0.1, success 10; alfworld/webshop also its projection and prompt) or strict (every "
-                         "invalid step −0.1, success 1 / WebShop's score)", envs.RULES)
-    model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
-    data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
-                                     "items_*.json)")
-    env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
-                                 "steps overlap (0: in the trainer's process)")
-    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
-    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
-    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
-    endpoint_timeout: float = arg(60.0, "seconds an external annotator request may wait (a batch is sent at once)")
-    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
-    require_endpoint: bool = arg(False, "stop the run when the annotator endpoint or the retriever fails a whole update")
     out_dir: str = arg("runs/seed", "metrics.jsonl, stage-1 and final checkpoints go here")
-    seed: int = arg(0, "random seed")
     # Stage 1 (§3.2, §4.1)
     skip_sft: bool = arg(False, "ablation 'w/o hindsight skill SFT': start stage 2 from the base model")
     sft_tasks: int | None = arg(None, "M: training tasks for the offline pool (paper 180)")
@@ -133,37 +116,9 @@ class Args:
     eval_with_skills: bool = arg(False, "Skill-Prompt* / Skill-GRPO*: validate with the retrieved skill in the "
                                         "policy's context")
     skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection")
-    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
-    max_response_len: int | None = arg(None, "response tokens (paper 512)")
     max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
-    temperature: float = arg(1.0, "rollout sampling temperature")
-    top_p: float = arg(1.0, "rollout nucleus sampling")
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
-    micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
-    micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
-                                         "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
-                                         "micro_batch × (max_prompt_len + max_response_len))")
-    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
-    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
-    # Rollout engine (common.make_engine; README, vLLM)
-    engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
-                                   "else hf)", ("hf", "vllm"))
-    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
-    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
-    rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
-                                  "(as the papers), token or sequence", C.ROLLOUT_IS)
-    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
-    eval_every: int | None = arg(None, "validate every k updates (and after the last)")
-    eval_tasks: int | None = arg(None, "held-out tasks per validation")
-    eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
-                                        "valid_seen as eval/*, valid_unseen as eval_unseen/*)", harness.EVAL_SPLITS)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
-    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
-    # The run directory (common.Run)
-    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
-    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
-    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
-    track: str = arg("none", "also send every metrics row to this tracker", harness.TRACKERS)
 
 
 PAPER = {  # Table 5 / §4.1
@@ -370,11 +325,10 @@ def sft_train(policy, tok, data, args, d) -> dict:
         for step in C.pad_chunks(C.chunk(order, per_rank), d.device):
             n_global = C.global_sum([len(step)], d.device)[0]
             total = 0.0
-            for idx in C.pad_chunks(C.micro_batches(step, prompts, targets, args.micro_batch, args.micro_batch_tokens),
-                                    d.device):
-                p, r = ([prompts[i] for i in idx], [targets[i] for i in idx]) if idx else ([C.DUMMY[0]], [C.DUMMY[1]])
-                logp, mask = C.sequence_logprobs(policy, p, r, d.device)
-                loss = sft_loss(logp, mask, n_global) * (d.world if idx else 0.0)  # FSDP averages over ranks
+            chunks = C.micro_batches(step, prompts, targets, args.micro_batch, args.micro_batch_tokens)
+            for m in C.minibatch_chunks(d, prompts, targets, chunks):
+                logp, mask = m.logprobs(policy)
+                loss = sft_loss(logp, mask, n_global) * m.scale  # FSDP averages over ranks; a dummy counts 0
                 loss.backward()
                 total += loss.item() / d.world
             C.clip_and_step(policy, opt, args.max_grad_norm)
@@ -454,8 +408,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                     teacher = teacher_scores(policy, samples, mb, R, args, d)
                 skill_lp = [t if t is not None else torch.zeros(len(r)) for t, r in zip(teacher, R)]
                 has_skill = [t is not None for t in teacher]  # a turn without a valid skill: no L_opd numerator
-            for m in C.minibatch_chunks(d, ("", P, R, C.micro_batches(mb, P, R, args.micro_batch,
-                                                                       args.micro_batch_tokens))):
+            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)):
                 logp, mask = m.logprobs(policy)  # Alg. 1 l.22, student branch: ℓ_θ in the plain context, with gradient
                 adv = m.rows(adv_tok) * m.rows(is_w, dummy=1.0)  # A per token (· w: --rollout_is)
                 # l.25-26: ρ = exp(ℓ_θ − ℓ_old), clipped GRPO loss + β_KL·KL over the mini-batch's tokens
@@ -475,7 +428,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 sums["kl"] += kl.item() * m.real
                 sums["tokens"] += mask.sum().item() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))  # Alg. 1 l.29
-    tot = C.global_sums(d, **sums)
+    tot = C.global_sums(sums, d)
     n_opd = max(tot["opd_tokens"], 1.0)
     gate_mean = tot["gate"] / n_opd
     taught = [s for s in samples if s.teacher_ids] if args.lambda_opd > 0 else []  # what l.22 scored

@@ -1,7 +1,7 @@
-"""The Table 1 baselines as seed.py flags (seed.py docstring, README "Baselines"): each one's update on real expert
+"""The Table 1 baselines as seed.py flags (baselines.py, docs/baselines.md): each one's update on real expert
 trajectories recomputed here from its written definition (< 1e-6 on the weights after one SGD step), the reductions
 that must hold exactly, the library retrieval and the skill in the policy's own context, and every command of the
-README's recipe table run end to end on the embedded env (1 update)."""
+docs/baselines.md recipe table run end to end on the embedded env (1 update)."""
 import json
 import math
 import os
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import baselines
 import common as C
+import envs
 import harness
 import models
-import envs
 import seed
 from test_opid import d  # noqa: F401  (the 1-rank group fixture that is torn down after this module)
 from test_seed import clean_env, expert_batch, tok  # noqa: F401  (tok: a fixture)
@@ -30,12 +31,12 @@ LIBRARY = str(HERE / "skills" / "alfworld.jsonl")
 def batch(tok):
     """The test_seed expert batch (a mixed and a tied group on two real household tasks) with library skills."""
     trajs, _ = expert_batch(tok)
-    lib = seed.load_library(LIBRARY)
-    return trajs, [seed.retrieve_skill(lib, tr.family) for tr in trajs]
+    lib = baselines.load_library(LIBRARY)
+    return trajs, [baselines.retrieve_skill(lib, tr.family) for tr in trajs]
 
 
 def run_update(d, tok, batch, update=0, **kw):
-    """One seed_update from the tiny weights with θ ← θ − clip(∇L) (SGD, lr 1), so the weights show the gradient."""
+    """One update (baselines.baseline_update, or seed.seed_update for --teacher_params current) from the tiny weights with θ ← θ − clip(∇L) (SGD, lr 1), so the weights show the gradient."""
     kw = {"micro_batch": 64, **kw}  # one forward per pass, batched as independent_step does (float32 rounding)
     args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, **kw))
     trajs, skills = batch
@@ -43,8 +44,11 @@ def run_update(d, tok, batch, update=0, **kw):
     policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=False)
     ref = models.shard(models.load_model("tiny", 0), d, bf16=False, trainable=False)
     random.seed(0)
-    row = seed.seed_update(policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0), samples, args, d, harness.Timer(),
-                           update)
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    if args.teacher_params == "old":  # what seed.main runs for these flags
+        row = baselines.baseline_update(policy, ref, opt, samples, args, d, harness.Timer(), update)
+    else:
+        row = seed.seed_update(policy, ref, opt, samples, args, d, harness.Timer())
     return row, {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}, samples
 
 
@@ -88,17 +92,17 @@ def gated(beta):
 
 
 def test_library_retrieval_and_teacher_context(tok, batch):
-    lib = seed.load_library(LIBRARY)
+    lib = baselines.load_library(LIBRARY)
     general = [x["skill"] for x in lib if "family" not in x]
     for fam in envs.FAMILIES:
         own = [x["skill"] for x in lib if x.get("family") == fam]
         assert len(general) == 1 and len(own) == 1
-        assert seed.retrieve_skill(lib, fam) == general[0] + "\n" + own[0]
-    assert seed.retrieve_skill(lib, "no_such_family") == general[0]
-    assert seed.retrieve_skill([x for x in lib if "family" in x], "no_such_family") is None
+        assert baselines.retrieve_skill(lib, fam) == general[0] + "\n" + own[0]
+    assert baselines.retrieve_skill(lib, "no_such_family") == general[0]
+    assert baselines.retrieve_skill([x for x in lib if "family" in x], "no_such_family") is None
     # a stage-1 skills.jsonl: the family's successful skills come first
     stage1 = [{"family": "f", "won": False, "skill": "Avoid a."}, {"family": "f", "won": True, "skill": "Workflow: b."}]
-    assert seed.retrieve_skill(stage1, "f") == "Workflow: b.\nAvoid a."
+    assert baselines.retrieve_skill(stage1, "f") == "Workflow: b.\nAvoid a."
     args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY))
     trajs, skills = batch
     samples, _ = seed.build_samples(trajs, skills, tok, args)
@@ -109,11 +113,11 @@ def test_library_retrieval_and_teacher_context(tok, batch):
 
 def test_bad_library_gives_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
-        seed.load_library(str(tmp_path / "missing.jsonl"))
+        baselines.load_library(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"family": "x", "skill": "ok fine"}\n{"family": "x"}\n')
     with pytest.raises(SystemExit, match="line 2"):
-        seed.load_library(str(bad))
+        baselines.load_library(str(bad))
     with pytest.raises(SystemExit, match="go together"):
         seed.resolve(seed.Args(skip_sft=True, skill_source="library"))
     with pytest.raises(SystemExit, match="need --skill_source library"):
@@ -170,7 +174,7 @@ def test_sdl_loss_by_hand_including_its_clamps():
     teacher = torch.tensor([[-1.0, -1.5, -2.0, -30.0]])
     old = torch.tensor([[-1.0, -2.5, -30.0, -10.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss = seed.sdl_loss(logp, old, teacher, mask)
+    loss = baselines.sdl_loss(logp, old, teacher, mask)
     e1, rho1 = -0.5, math.exp(0.5)
     k31 = math.exp(0.5) - 1 + e1
     e2 = -28.0  # −e = 28 > 20: the exp is clamped at e^20
@@ -186,9 +190,9 @@ def test_sdl_loss_by_hand_including_its_clamps():
 
 def test_evaluate_uses_the_context(d, tok):
     """--eval_with_skills reaches the held-out episodes: evaluate hands every turn's prompt to the context."""
-    lib = seed.load_library(LIBRARY)
+    lib = baselines.load_library(LIBRARY)
     args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, eval_with_skills=True))
-    ctx, seen = seed.library_context(lib, tok, args), []
+    ctx, seen = baselines.library_context(lib, tok, args), []
     engine = models.HFEngine(models.load_model("tiny", 0), tok, torch.device("cpu"))
     make = lambda: envs.make_env("household", split="valid_seen", seed=0, max_steps=2)  # noqa: E731
     row = C.evaluate(engine, make, make().task_ids()[:2], d, 1024, 8, 0.4, 0, "eval/",
@@ -198,20 +202,20 @@ def test_evaluate_uses_the_context(d, tok):
 
 
 def test_rlsd_schedule_by_hand():
-    assert seed.rlsd_lambda_at(0, 0.5, 100) == pytest.approx(0.495)   # t = 1
-    assert seed.rlsd_lambda_at(49, 0.5, 100) == pytest.approx(0.25)   # t = 50
-    assert seed.rlsd_lambda_at(98, 0.5, 100) == pytest.approx(0.005)  # t = 99
-    assert seed.rlsd_lambda_at(99, 0.5, 100) == 0.0 and seed.rlsd_lambda_at(500, 0.5, 100) == 0.0
+    assert baselines.rlsd_lambda_at(0, 0.5, 100) == pytest.approx(0.495)   # t = 1
+    assert baselines.rlsd_lambda_at(49, 0.5, 100) == pytest.approx(0.25)   # t = 50
+    assert baselines.rlsd_lambda_at(98, 0.5, 100) == pytest.approx(0.005)  # t = 99
+    assert baselines.rlsd_lambda_at(99, 0.5, 100) == 0.0 and baselines.rlsd_lambda_at(500, 0.5, 100) == 0.0
     # w = clip(exp(sign(A) Δ), 0.8, 1.2): Δ = ln 1.1 → w 1.1 (A > 0), 1/1.1 (A < 0); Δ = 1 → 1.2 / 0.8
     old = torch.zeros(3)
     t = torch.tensor([math.log(1.1), 1.0, -1.0])
     lam = 0.5
-    assert seed.rlsd_advantages(2.0, old, t, lam, 0.2).tolist() == pytest.approx(
+    assert baselines.rlsd_advantages(2.0, old, t, lam, 0.2).tolist() == pytest.approx(
         [2 * (0.5 + 0.5 * 1.1), 2 * (0.5 + 0.5 * 1.2), 2 * (0.5 + 0.5 * 0.8)])
-    assert seed.rlsd_advantages(-2.0, old, t, lam, 0.2).tolist() == pytest.approx(
+    assert baselines.rlsd_advantages(-2.0, old, t, lam, 0.2).tolist() == pytest.approx(
         [-2 * (0.5 + 0.5 / 1.1), -2 * (0.5 + 0.5 * 0.8), -2 * (0.5 + 0.5 * 1.2)])
-    assert seed.rlsd_advantages(0.0, old, t, lam, 0.2).tolist() == [0.0, 0.0, 0.0]
-    assert seed.rlsd_advantages(1.5, old, None, lam, 0.2).tolist() == [1.5, 1.5, 1.5]
+    assert baselines.rlsd_advantages(0.0, old, t, lam, 0.2).tolist() == [0.0, 0.0, 0.0]
+    assert baselines.rlsd_advantages(1.5, old, None, lam, 0.2).tolist() == [1.5, 1.5, 1.5]
 
 
 def test_rlsd_matches_its_definition_and_decays_to_grpo(d, tok, batch):
@@ -251,7 +255,7 @@ def test_skill_in_the_policy_context(tok):
     and the sampled ids are scored on exactly that prompt; an empty library leaves collect as it was (GRPO)."""
     args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, lambda_opd=0,
                                   train_with_skills=True, max_steps=3))
-    lib = seed.load_library(LIBRARY)
+    lib = baselines.load_library(LIBRARY)
     engine = models.HFEngine(models.load_model("tiny", 0), tok, torch.device("cpu"))
     make = lambda: envs.make_env("household", split="train", seed=0, max_steps=3)  # noqa: E731
     ids = make().task_ids()[:2]
@@ -259,19 +263,19 @@ def test_skill_in_the_policy_context(tok):
     def play(context):
         torch.manual_seed(0)
         return C.collect(engine, make, ids, 2, 1024, 16, 1.0, 1.0, context)[0]
-    plain, empty, skilled = play(None), play(seed.library_context([], tok, args)), \
-        play(seed.library_context(lib, tok, args))
+    plain, empty, skilled = play(None), play(baselines.library_context([], tok, args)), \
+        play(baselines.library_context(lib, tok, args))
     assert [[t.prompt_ids for t in tr.turns] for tr in plain] == [[t.prompt_ids for t in tr.turns] for tr in empty]
     assert [[t.response_ids for t in tr.turns] for tr in plain] == [[t.response_ids for t in tr.turns] for tr in empty]
     for tr in skilled:
         for t in tr.turns:
-            head = f"{seed.LIBRARY_HEADER}\n{seed.retrieve_skill(lib, tr.family)}\n\n"
+            head = f"{seed.LIBRARY_HEADER}\n{baselines.retrieve_skill(lib, tr.family)}\n\n"
             assert t.prompt_text.startswith(head)
             assert t.prompt_ids == C.encode_prompt(tok, t.prompt_text, 1024)[0]
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The README's recipe table, every command, on the embedded env
+# docs/baselines.md: the recipe tables, every command, on the embedded env
 # ------------------------------------------------------------------------------------------------------------------
 
 TINY_RUN = ["--updates", "1", "--tasks_per_update", "1", "--group_size", "2", "--max_steps", "2", "--eval_every", "1",
@@ -280,8 +284,8 @@ TINY_RUN = ["--updates", "1", "--tasks_per_update", "1", "--group_size", "2", "-
 
 
 def recipe_commands() -> list[tuple[str, str]]:
-    """(row, command) for every `python …` command in the README's recipe tables (section "Baselines")."""
-    text = (HERE / "README.md").read_text()
+    """(row, command) for every `python …` command in docs/baselines.md (section "Baselines")."""
+    text = (HERE / "docs" / "baselines.md").read_text()
     section = text.split("## Baselines", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
@@ -325,8 +329,8 @@ def run_recipe(command: str, tmp_path: Path) -> tuple[str, list[dict] | str]:
 
 
 def test_every_recipe_command_runs(tmp_path):
-    """Every command of the README's recipe tables on the embedded env and the tiny model, 1 update (eval-only rows:
-    one evaluation), with the README's flags as written; two at a time. The rows that write a named run
+    """Every command of the docs/baselines.md recipe tables on the embedded env and the tiny model, 1 update (eval-only rows:
+    one evaluation), with the flags as written; two at a time. The rows that write a named run
     (--out_dir runs/X) go first, so that a row evaluating runs/X/final (Skill-GRPO*) scores that very run."""
     from concurrent.futures import ThreadPoolExecutor
     commands = [c for _, c in recipe_commands()]

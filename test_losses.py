@@ -189,6 +189,7 @@ def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_paddin
     model = models.load_model("tiny", 0)
     prompts, responses = [[5, 6, 7, 8, 9, 10, 11], [10, 11]], [[12], [15, 16, 17, 18, 19]]
     C.FORWARD_TOKENS[:] = [0, 0]
+    C.count_forward(prompts, responses)  # what score() and MicroBatch.logprobs add for this forward
     logp, mask = C.sequence_logprobs(model, prompts, responses, "cpu")
     assert C.FORWARD_TOKENS == [15, 16] and mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -196,6 +197,25 @@ def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_paddin
             lg = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float().log_softmax(-1)
         assert torch.allclose(logp[i, :len(r)], lg.gather(-1, torch.tensor(r)[:, None]).squeeze(-1), atol=1e-5)
     C.FORWARD_TOKENS[:] = [0, 0]
+
+
+def test_minibatch_chunks_by_hand(d):
+    """The iterator every update loop uses: its chunks in order (the main source's kind is "", a further source
+    keeps its own), scale = world size; rows / column gather per-sample values (right-padded with 0); a dummy, as a
+    rank with fewer chunks gets it, has no samples, scale 0, the 2-token DUMMY sequence and one `dummy` value.
+    global_sums gives every value back under its name."""
+    P, R = [[1, 2], [3], [4, 5, 6]], [[7], [8, 9], [10]]
+    got = list(C.minibatch_chunks(d, P, R, [[1], [0, 2]], ("ref", [[11]], [[12, 13]], [[0]])))
+    assert [(m.kind, m.idx, m.scale, m.real) for m in got] == [("", [1], 1.0, True), ("", [0, 2], 1.0, True),
+                                                                ("ref", [0], 1.0, True)]
+    assert got[1].prompts == [[1, 2], [4, 5, 6]] and got[1].responses == [[7], [10]]
+    assert got[2].prompts == [[11]] and got[2].responses == [[12, 13]]
+    adv = [torch.tensor([1.0]), torch.tensor([2.0, 3.0]), torch.tensor([4.0])]
+    assert got[0].rows(adv).tolist() == [[2.0, 3.0]] and got[1].rows(adv).tolist() == [[1.0], [4.0]]
+    assert got[1].column([0.5, 0.25, 0.125]).tolist() == [[0.5], [0.125]]
+    dummy = C.MicroBatch("", [], [C.DUMMY[0]], [C.DUMMY[1]], 0.0, torch.device("cpu"))
+    assert not dummy.real and dummy.rows(adv, dummy=1.0).tolist() == [[1.0]] and dummy.column(adv).tolist() == [[0.0]]
+    assert C.global_sums({"a": 1.5, "b": 2.0}, d) == {"a": 1.5 * d.world, "b": 2.0 * d.world}
 
 
 def test_length_aware_micro_batches_by_hand():

@@ -1,5 +1,5 @@
 """Learning evidence in miniature (household env, 2 CPU cores): a warm-started backbone, GRPO, and SEED / OPID / GRSD
-against it at the same rollout budget, 3 seeds each. README "Learning evidence" shows what this printed.
+against it at the same rollout budget, 3 seeds each. docs/experiment.md shows what this printed.
 
   python tools/experiment.py                       # all of it: backbone, oracle, 12 runs + 3 backbone evals, report
   python tools/experiment.py backbone              # 1. the warm start only -> runs/experiment/backbone (HF checkpoint)
@@ -39,7 +39,7 @@ Deviations / choices:
     the env and the methods exactly as they are.
   * The run budget (Budget) is far below Table 5 (6 updates of 4 tasks x 4 rollouts); the learning rate (1e-4)
     and KL (1e-3) are chosen for a 3.5 M-parameter model; each method keeps its paper coefficients. The lr comes
-    from three GRPO seed-0 probes (README): 5e-4 collapsed under both reward rules, 1e-4 did not.
+    from three GRPO seed-0 probes (docs/experiment.md): 5e-4 collapsed under both reward rules, 1e-4 did not.
   * The runs use --env_rules verl_agent, the reward the papers trained with (verl-agent's ALFWorld: 10 per win,
     -0.1 only for a malformed reply). Under the strict rules (-0.1 for every inadmissible step, 1 per win) GRPO's
     groups are never tied, it mostly learns about inadmissible actions, and it lost the backbone's successes.
