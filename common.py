@@ -175,18 +175,19 @@ class CollectStats:
     def metrics(self, d: Dist, require: bool = False) -> dict:
         """Summed over all ranks. Every retrieval of the update failing gets one warning line on rank 0 (fatal
         with --require_endpoint, on every rank alike)."""
-        s = global_sum([self.truncated_prompts, self.unterminated_responses, self.retrievals,
-                        self.retrieval_failures, self.bad_replies], d.device)
-        if s[2] and s[3] + s[4] == s[2]:
-            total_failure(f"search: all {int(s[2])} retrievals from {self.retriever} failed this update "
-                          f"({int(s[4])} bad replies): the agent saw failure texts instead of documents", require, d)
-        seconds = global_sum([self.gen_seconds, self.env_seconds, self.gen_tokens, self.prompt_tokens, self.turns],
-                             d.device)
-        return {"rollout/truncated_prompts": s[0], "rollout/unterminated_responses": s[1], "search/retrievals": s[2],
-                "search/retrieval_failures": s[3], "search/bad_replies": s[4],
-                "time/rollout_generation": seconds[0] / d.world, "time/rollout_env": seconds[1] / d.world,
-                "perf/rollout_gen_tokens": seconds[2], "perf/rollout_prompt_tokens": seconds[3],
-                "perf/rollout_turns": seconds[4]}
+        s = global_sums({"truncated": self.truncated_prompts, "unterminated": self.unterminated_responses,
+                         "retrievals": self.retrievals, "failures": self.retrieval_failures, "bad": self.bad_replies,
+                         "gen_s": self.gen_seconds, "env_s": self.env_seconds, "gen_tokens": self.gen_tokens,
+                         "prompt_tokens": self.prompt_tokens, "turns": self.turns}, d)
+        if s["retrievals"] and s["failures"] + s["bad"] == s["retrievals"]:
+            total_failure(f"search: all {int(s['retrievals'])} retrievals from {self.retriever} failed this update "
+                          f"({int(s['bad'])} bad replies): the agent saw failure texts instead of documents", require, d)
+        return {"rollout/truncated_prompts": s["truncated"], "rollout/unterminated_responses": s["unterminated"],
+                "search/retrievals": s["retrievals"], "search/retrieval_failures": s["failures"],
+                "search/bad_replies": s["bad"],
+                "time/rollout_generation": s["gen_s"] / d.world, "time/rollout_env": s["env_s"] / d.world,
+                "perf/rollout_gen_tokens": s["gen_tokens"], "perf/rollout_prompt_tokens": s["prompt_tokens"],
+                "perf/rollout_turns": s["turns"]}
 
 
 def collect(engine, make_env, task_ids: list[str], n: int, max_prompt: int, max_response: int,
@@ -250,13 +251,13 @@ def collect(engine, make_env, task_ids: list[str], n: int, max_prompt: int, max_
 def rollout_metrics(trajs: list[Trajectory], d: Dist, prefix: str = "charts/") -> dict:
     """Success rate, return, episode length and invalid-action rate over all ranks."""
     turns = [t for tr in trajs for t in tr.turns]
-    s = global_sum([len(trajs), sum(tr.won for tr in trajs), sum(tr.reward for tr in trajs), len(turns),
-                    sum(not t.valid for t in turns), sum(len(t.response_ids) for t in turns),
-                    sum(tr.score for tr in trajs)], d.device)
-    n = max(s[0], 1)
-    return {prefix + "success_rate": s[1] / n, prefix + "return": s[2] / n, prefix + "episode_length": s[3] / n,
-            prefix + "invalid_action_rate": s[4] / max(s[3], 1), prefix + "response_tokens": s[5] / max(s[3], 1),
-            prefix + "score": s[6] / n}
+    s = global_sums({"trajs": len(trajs), "won": sum(tr.won for tr in trajs), "reward": sum(tr.reward for tr in trajs),
+                     "turns": len(turns), "invalid": sum(not t.valid for t in turns),
+                     "tokens": sum(len(t.response_ids) for t in turns), "score": sum(tr.score for tr in trajs)}, d)
+    n, n_turns = max(s["trajs"], 1), max(s["turns"], 1)
+    return {prefix + "success_rate": s["won"] / n, prefix + "return": s["reward"] / n,
+            prefix + "episode_length": s["turns"] / n, prefix + "invalid_action_rate": s["invalid"] / n_turns,
+            prefix + "response_tokens": s["tokens"] / n_turns, prefix + "score": s["score"] / n}
 
 
 def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_response, temperature, seed,

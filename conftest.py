@@ -1,5 +1,199 @@
-"""Shared test setup: the evidence tools (tools/experiment.py, tools/bench.py, tools/plot.py) import as modules."""
-import os
-import sys
+"""Shared test setup. The evidence tools (tools/experiment.py, tools/bench.py, tools/plot.py) import as modules.
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+The fixtures several test modules use (`d`: the 1-rank gloo group, `tok`: the tiny tokenizer) live here, and so do
+the plain helpers several modules share; a test module imports those with `from conftest import …` (never from
+another test module). The 2-rank workers (`python -m torch.distributed.run test_X.py OUT`) import them the same way.
+
+Markers: `slow` marks the tests that spawn processes (seed.py / opid.py / grsd.py / tools/*.py, torchrun), start
+vLLM, or play real benchmark games; `python -m pytest -q -m "not slow"` is the fast tier, `python -m pytest -q` the
+full suite (what CI runs)."""
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common as C
+import envs
+import models
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "tools"))
+SHARED = Path(os.environ.get("SHARED_DATA") or HERE.parent / "shared" / "data")
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: spawns processes (a method script, torchrun, tools/*.py), starts vLLM "
+                                       "or plays real benchmark games; deselect with -m \"not slow\"")
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def d():
+    """A 1-rank gloo group, as `python opid.py` uses. When another test module already formed one (pytest keeps it
+    for the session) it is reused; the group made here is torn down again so later modules can form their own."""
+    if dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        yield C.Dist(dist.get_rank(), dist.get_world_size(),
+                     torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu"))
+        return
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    yield models.init_distributed(seed=0)
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return models.load_tokenizer("tiny")
+
+
+@contextlib.contextmanager
+def one_rank():
+    """The 1-rank gloo group of `python opid.py` (another module's, when pytest already holds one; else formed
+    here and torn down again, with the environment restored)."""
+    if dist.is_initialized():
+        yield C.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+        return
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    try:
+        yield models.init_distributed(seed=0)
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env():
+    """A child's environment: this one with 1 OpenMP thread, no tokenizer threads, unbuffered output."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def clean_env():
+    """This environment without the process-group variables of a group pytest may hold (a child would rendezvous
+    on its port), unbuffered."""
+    out = {k: v for k, v in os.environ.items() if k not in DIST_ENV + ("LOCAL_WORLD_SIZE",)}
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def run(cmd, timeout=400):
+    res = subprocess.run(cmd, cwd=HERE, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def rows_of(out):
+    """metrics.jsonl of a run directory (blank lines skipped)."""
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl") if line.strip()]
+
+
+def strict_rows_of(out):
+    """metrics.jsonl of a run directory, every line a row (a blank line fails)."""
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def check_checkpoint(path):
+    """A saved final/ loads as a HF model + tokenizer and gives finite logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path)
+    t = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([t("You arrive at the countertop 1.")["input_ids"]])
+    assert torch.isfinite(model(ids).logits).all()
+
+
+# ------------------------------------------------------------------------------------------------ HTTP endpoints
+
+def serve(handler):
+    """An OpenAI-style endpoint on localhost served by `handler`; returns (server, its /v1 URL)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+def reply(handler, content: str):
+    """A chat-completion reply with `content`."""
+    out = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(out)))
+    handler.end_headers()
+    handler.wfile.write(out)
+
+
+# ------------------------------------------------------------------------------------------------ real trajectories
+
+def play(env, tok, responses):
+    """Turn raw response texts into a real Trajectory with real token ids from the real tokenizer."""
+    tr = C.Trajectory(env_task_id(env), 0, env.task, env.family, env.observation)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for text in responses:
+        if callable(text):
+            text = text(env)
+        prompt = env.prompt()
+        ids, _ = C.encode_prompt(tok, prompt, 1024)
+        resp = tok(text, add_special_tokens=False)["input_ids"] + [end]
+        obs, r, done, info = env.step(text)
+        tr.turns.append(C.Turn(prompt, ids, resp, text, info["action"], info["valid"], obs, r))
+        tr.won = info["won"]
+        if done:
+            break
+    return tr
+
+
+def env_task_id(env):
+    return getattr(env, "task_id", "task")
+
+
+def expert_turn(env):
+    return envs.format_expert_response(env.expert_action(), "household")
+
+
+def trajectories(tok, task_id, n_success, n_fail, steps=4):
+    """n_success expert wins and n_fail failures (a few wandering moves and one malformed reply) on one real
+    household task."""
+    out = []
+    for k in range(n_success + n_fail):
+        env = envs.make_env("household", split="train", seed=0, max_steps=steps if k >= n_success else 30,
+                            rules="strict")  # the hand-computed numbers of these tests use win = 1
+        env.reset(task_id)
+        if k < n_success:
+            out.append(play(env, tok, [expert_turn] * 30))
+        else:  # a failure: a few wandering moves and one malformed reply
+            out.append(play(env, tok, ["<think>look around</think><action>look</action>", "no tags at all",
+                                       "<think>x</think><action>inventory</action>", "<action>look</action>"]))
+    return out
+
+
+def expert_batch(tok):
+    """Two groups on two real household tasks: a mixed group (2 expert wins, 2 failures) and a tied group
+    (4 failures). Skills for all but two trajectories (those give no OPD tokens)."""
+    ids = envs.make_env("household", split="train", seed=0).task_ids()
+    g0, g1 = trajectories(tok, ids[0], 2, 2), trajectories(tok, ids[1], 0, 4)
+    for tr in g1:
+        tr.group = 1
+    skills = ["Workflow: find the object, take it, then place it at the target receptacle."] * 8
+    skills[1] = skills[5] = None
+    return g0 + g1, skills

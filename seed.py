@@ -509,10 +509,12 @@ def main(args: Args):
         else:                                                                        # l.16-29
             stats = seed_update(policy, ref, opt, samples, args, d, timer)
         row = {"update": update, "stage": 2, **stats}
-        n_sk, n_tr, n_zero, n_grp = C.global_sum([sum(s is not None for s in skills), len(trajs),
-                                                  float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
-        row.update({"skills/valid_rate": n_sk / max(n_tr, 1), "adv/tied_group_frac": n_zero / max(n_grp, 1),
-                    "adv/abs_mean": C.global_sum([adv.abs().sum().item()], d.device)[0] / max(n_tr, 1),
+        n = C.global_sums({"skills": sum(s is not None for s in skills), "trajs": len(trajs),
+                           "tied": float((adv.abs().sum(1) == 0).sum()), "groups": adv.shape[0],
+                           "adv_abs": adv.abs().sum().item()}, d)
+        row.update({"skills/valid_rate": n["skills"] / max(n["trajs"], 1),
+                    "adv/tied_group_frac": n["tied"] / max(n["groups"], 1),
+                    "adv/abs_mean": n["adv_abs"] / max(n["trajs"], 1),
                     **cstats.metrics(d, args.require_endpoint),
                     **C.rollout_metrics(trajs, d)})
         row.update(harness.engine_metrics(engine, work, d))  # every role

@@ -4,7 +4,6 @@ that must hold exactly, the library retrieval and the skill in the policy's own 
 docs/baselines.md recipe table run end to end on the embedded env (1 update)."""
 import json
 import math
-import os
 import random
 import re
 import subprocess
@@ -20,16 +19,14 @@ import envs
 import harness
 import models
 import seed
-from test_opid import d  # noqa: F401  (the 1-rank group fixture that is torn down after this module)
-from test_seed import clean_env, expert_batch, tok  # noqa: F401  (tok: a fixture)
+from conftest import HERE, clean_env, expert_batch
 
-HERE = Path(__file__).resolve().parent
 LIBRARY = str(HERE / "skills" / "alfworld.jsonl")
 
 
 @pytest.fixture(scope="module")
 def batch(tok):
-    """The test_seed expert batch (a mixed and a tied group on two real household tasks) with library skills."""
+    """The conftest expert batch (a mixed and a tied group on two real household tasks) with library skills."""
     trajs, _ = expert_batch(tok)
     lib = baselines.load_library(LIBRARY)
     return trajs, [baselines.retrieve_skill(lib, tr.family) for tr in trajs]
@@ -328,6 +325,7 @@ def run_recipe(command: str, tmp_path: Path) -> tuple[str, list[dict] | str]:
     return command, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_every_recipe_command_runs(tmp_path):
     """Every command of the docs/baselines.md recipe tables on the embedded env and the tiny model, 1 update (eval-only rows:
     one evaluation), with the flags as written; two at a time. The rows that write a named run

@@ -3,7 +3,6 @@ real ALFWorld games load and are won, and the Search-R1 protocol works in-proces
 import copy
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,8 +14,8 @@ import pytest
 import envs
 from envs import (FAMILIES, TASK_PREFIX, TURN_PREFIX, exact_match, format_expert_response, load_bm25,
                   make_env, normalize_answer, parse_action, serve_retriever)
+from conftest import SHARED
 
-SHARED = Path(os.environ.get("SHARED_DATA") or Path(__file__).resolve().parent.parent / "shared" / "data")
 ALFWORLD_DATA, QA_DATA = SHARED / "alfworld", SHARED / "search_qa"
 CORPUS = QA_DATA / "corpus" / "hotpotqa_hard100_corpus.jsonl"
 needs_alfworld_package = pytest.mark.skipif(importlib.util.find_spec("alfworld") is None,
@@ -235,6 +234,7 @@ def test_make_env_rejects_unknown_names():
 
 
 # ----------------------------------------------------------------------------- alfworld (real games)
+@pytest.mark.slow
 @needs_alfworld_package
 @needs_alfworld_games
 def test_alfworld_all_games_load_and_the_planner_expert_wins_them():
@@ -448,6 +448,7 @@ def test_refused_retriever_is_a_counted_failure_not_a_crash():
     assert reward == 1.0 and done and not info["retrieval_error"]
 
 
+@pytest.mark.slow
 @needs_qa
 def test_serve_retriever_cli():
     proc = subprocess.Popen([sys.executable, str(Path(envs.__file__)), "serve-retriever", "--corpus", str(CORPUS),
@@ -633,7 +634,7 @@ def test_webshop_score_reaches_the_trajectory_and_the_metrics_through_collect():
     import common as C
     import harness
     import models
-    from test_runs import one_rank
+    from conftest import one_rank
     tokenizer = models.load_tokenizer("tiny")
     env = webshop()
     dress = env.products["B08ZRR3DZT"]["Title"].lower()

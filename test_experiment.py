@@ -214,6 +214,7 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)  # other moments, another batch order: other weights
 
 
+@pytest.mark.slow
 def test_experiment_smoke_run(tmp_path):
     """The whole script at 1 update and 1 seed: backbone, oracle, 4 methods + the backbone eval, curves and table."""
     out = tmp_path / "exp"

@@ -25,8 +25,7 @@ import envs
 import grsd
 import opid
 import seed
-from test_runs import HERE, env, free_port, one_rank, rows_of, run
-from test_seed import SHARED
+from conftest import HERE, SHARED, env, free_port, one_rank, rows_of, run
 
 QA_DATA = SHARED / "search_qa"
 needs_qa = pytest.mark.skipif(not (QA_DATA / "corpus").is_dir(), reason=f"no Search-QA data at {QA_DATA}")
@@ -110,8 +109,8 @@ def _timed(fn, make, n):
 
     def child():
         text = make(n)
-        gc.collect()
-        gc.freeze()  # the test process's own heap (torch) is not the parser's cost: keep collections off it
+        gc.freeze()  # the test process's own heap (torch) is not the parser's cost: keep collections off it (no
+        # gc.collect() first: walking the inherited heap copies its pages, 0.2-0.4 s a call in a full pytest run)
         start = time.process_time()
         result = fn(text)
         send.send((time.process_time() - start, result))
@@ -360,6 +359,7 @@ def test_the_retrieve_contract_is_checked():
             envs.check_retrieve_reply(bad, 2)
 
 
+@pytest.mark.slow
 def test_dead_analyzer_counted_alike_on_one_and_two_ranks(tmp_path):
     url = closed_url("/v1")
     base = [str(HERE / "opid.py"), "--analyzer_url", url, "--updates", "1", "--tasks_per_update", "2",
@@ -409,6 +409,7 @@ def test_bad_flags_are_refused_before_anything_loads(method, argv, message, monk
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["seed", "opid", "grsd"])
 def test_a_bad_flag_exits_in_one_line_without_a_traceback(method, tmp_path):
     t0 = time.perf_counter()

@@ -27,11 +27,8 @@ import harness
 import models
 import envs
 import grsd
-import test_opid
-from test_opid import check_checkpoint, reply, rows_of, serve
-from test_seed import HERE, SHARED, clean_env, free_port, trajectories
-
-d, tok = test_opid.d, test_opid.tok  # fixtures: the 1-rank group (an existing one is reused), the tiny tokenizer
+from conftest import (HERE, SHARED, check_checkpoint, clean_env, free_port, reply, serve, strict_rows_of,
+                      trajectories)
 
 LAM, G_HAT, EPS = 0.5, 0.2, 1e-6  # the paper's λ, Ĝ; ε_adv = ε_gap of grsd.Args
 
@@ -527,6 +524,7 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
     assert t.row["perf/padding_frac"] < 0.02 < f.row["perf/padding_frac"]
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     """Each of 2 FSDP ranks holds one group and runs micro-batches of 1 (unequal chunk counts, so padding chunks);
     the step equals the 1-process step on the whole batch in one micro-batch."""
@@ -795,6 +793,7 @@ def run(cmd, timeout=300):
 SMALL = ["--max_response_len", "32", "--reflection_max_tokens", "32", "--eval_tasks", "2"]
 
 
+@pytest.mark.slow
 def test_grsd_end_to_end_single_process_with_http_judge(tmp_path):
     ScoreTwo.calls = 0
     server, url = serve(ScoreTwo)
@@ -803,7 +802,7 @@ def test_grsd_end_to_end_single_process_with_http_judge(tmp_path):
              "--judge_model", "m", *SMALL])
     finally:
         server.shutdown()
-    rows = rows_of(tmp_path)
+    rows = strict_rows_of(tmp_path)
     check_rows(rows, 2)
     n_traj = 2 * 4  # tiny preset: 2 tasks × 4 rollouts
     # the judge is asked exactly once per valid reflection, and each of its "2" replies is a score of 2
@@ -818,15 +817,17 @@ def test_grsd_end_to_end_single_process_with_http_judge(tmp_path):
     check_checkpoint(tmp_path / "final")
 
 
+@pytest.mark.slow
 def test_grsd_end_to_end_torchrun_two_ranks_one_idle_policy_judge(tmp_path):
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(HERE / "grsd.py"), "--out_dir", str(tmp_path), "--updates", "1", "--tasks_per_update", "1", *SMALL])
-    (row,) = rows_of(tmp_path)  # one task group: rank 1 has nothing to play, reflect or judge
+    (row,) = strict_rows_of(tmp_path)  # one task group: rank 1 has nothing to play, reflect or judge
     check_rows([row], 1)
     assert "endpoint/judge/failures" not in row and row["charts/episode_length"] >= 1  # θ_old judges
     check_checkpoint(tmp_path / "final")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_name,data", [("alfworld", "alfworld"), ("search", "search_qa"), ("webshop", "webshop")])
 def test_grsd_runs_real_benchmark_episodes(env_name, data, tmp_path):
     if not (SHARED / data).is_dir():
@@ -837,7 +838,7 @@ def test_grsd_runs_real_benchmark_episodes(env_name, data, tmp_path):
     run([sys.executable, str(HERE / "grsd.py"), "--env", env_name, "--model", "tiny", "--data_dir",
          str(SHARED / data), "--updates", "1", "--tasks_per_update", "2", "--group_size", "2", "--eval_tasks", "2",
          "--out_dir", str(tmp_path)] + short)
-    (row,) = rows_of(tmp_path)
+    (row,) = strict_rows_of(tmp_path)
     check_rows([row], 1)
     steps = {"alfworld": 6, "search": 4, "webshop": 3}[env_name]  # tiny: ALFWorld ≤ 6, Search-R1 4, WebShop 3 here
     assert 1 <= row["charts/episode_length"] <= steps

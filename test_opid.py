@@ -6,51 +6,22 @@ and end-to-end runs (1 process with an HTTP analyzer, torchrun with 2 ranks, rea
 import json
 import math
 import multiprocessing
-import os
 import random
 import re
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import common as C
 import harness
 import models
 import envs
 import opid
-from test_seed import HERE, SHARED, clean_env, free_port, trajectories
-
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(scope="module")
-def d():
-    """A 1-rank gloo group, as `python opid.py` uses. When another test module already formed one (pytest keeps it
-    for the session) it is reused; the group made here is torn down again so later modules can form their own."""
-    if dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        yield C.Dist(dist.get_rank(), dist.get_world_size(),
-                     torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu"))
-        return
-    saved = {k: os.environ.get(k) for k in DIST_ENV}
-    yield models.init_distributed(seed=0)
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return models.load_tokenizer("tiny")
-
+from conftest import (HERE, SHARED, check_checkpoint, clean_env, free_port, reply, serve, strict_rows_of,
+                      trajectories)
 
 # ------------------------------------------------------------------------------------------------ the batch
 
@@ -351,6 +322,7 @@ def test_microbatching_does_not_change_the_update(d, tok, batch):
     assert rt["perf/padding_frac"] < 0.02 < rf["perf/padding_frac"]
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     """Each of 2 FSDP ranks holds one group and runs micro-batches of 5 (unequal counts: padding chunks); the step
     equals the 1-process step on the whole batch in one micro-batch. (With several mini-batches the split of turns
@@ -659,21 +631,6 @@ def test_parsed_skills_with_lone_surrogates_do_not_crash_build_samples(tok, batc
 # ------------------------------------------------------------------------------------------------ 9. analyze()
 
 
-def serve(handler):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
-
-
-def reply(handler, content: str):
-    out = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
-    handler.send_response(200)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(out)))
-    handler.end_headers()
-    handler.wfile.write(out)
-
-
 GARBAGE = "I am sorry, I cannot analyze this trajectory {without more context"
 RETRY_MARK = "previous reply could not be used"
 
@@ -766,18 +723,6 @@ class E2EAnalyzer(BaseHTTPRequestHandler):
         pass
 
 
-def rows_of(out):
-    return [json.loads(line) for line in open(out / "metrics.jsonl")]
-
-
-def check_checkpoint(path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path)
-    t = AutoTokenizer.from_pretrained(path)
-    ids = torch.tensor([t("You arrive at the countertop 1.")["input_ids"]])
-    assert torch.isfinite(model(ids).logits).all()
-
-
 REQUIRED = ("losses/pg", "losses/kl", "losses/total", "adv/episode_abs", "adv/skill_abs", "skill/token_frac",
             "skills/critical_per_traj", "analyzer/out_of_range", "analyzer/parsed_frac", "analyzer/no_json",
             "analyzer/requests", "analyzer/failed", "charts/success_rate", "charts/episode_length",
@@ -795,6 +740,7 @@ def check_rows(rows, n):
     assert "eval/success" in rows[-1] and 0 <= rows[-1]["eval/success"] <= 1
 
 
+@pytest.mark.slow
 def test_opid_end_to_end_single_process_with_http_analyzer(tmp_path):
     server, url = serve(E2EAnalyzer)
     cmd = [sys.executable, str(HERE / "opid.py"), "--out_dir", str(tmp_path), "--analyzer_url", url,
@@ -804,7 +750,7 @@ def test_opid_end_to_end_single_process_with_http_analyzer(tmp_path):
     finally:
         server.shutdown()
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = rows_of(tmp_path)
+    rows = strict_rows_of(tmp_path)
     check_rows(rows, 2)
     for row in rows:
         n_traj = 2 * 4  # tiny preset: 2 tasks × 4 rollouts
@@ -824,13 +770,14 @@ def test_opid_end_to_end_single_process_with_http_analyzer(tmp_path):
     check_checkpoint(tmp_path / "final")
 
 
+@pytest.mark.slow
 def test_opid_end_to_end_torchrun_two_ranks_one_idle_policy_analyzer(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "opid.py"), "--out_dir", str(tmp_path), "--updates", "1",
            "--tasks_per_update", "1", "--eval_tasks", "2"]  # one task group: rank 1 has nothing to play
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    (row,) = rows_of(tmp_path)
+    (row,) = strict_rows_of(tmp_path)
     check_rows([row], 1)
     # the random tiny policy writes no JSON analysis: 4 first requests + 4 retries, all counted, no skill signal
     assert row["analyzer/requests"] == 8 and row["analyzer/no_json"] == 8 and row["analyzer/failed"] == 4
@@ -839,6 +786,7 @@ def test_opid_end_to_end_torchrun_two_ranks_one_idle_policy_analyzer(tmp_path):
     check_checkpoint(tmp_path / "final")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_name,data", [("alfworld", "alfworld"), ("search", "search_qa"), ("webshop", "webshop")])
 def test_opid_runs_real_benchmark_episodes(env_name, data, tmp_path):
     if not (SHARED / data).is_dir():
@@ -851,7 +799,7 @@ def test_opid_runs_real_benchmark_episodes(env_name, data, tmp_path):
     cmd += ["--max_steps", "3"] if env_name == "webshop" else []  # (WebShop's long pages: the cheapest real run)
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    (row,) = rows_of(tmp_path)
+    (row,) = strict_rows_of(tmp_path)
     check_rows([row], 1)
     steps = {"alfworld": 6, "search": 4, "webshop": 3}[env_name]  # tiny: ALFWorld ≤ 6, Search-R1 4, WebShop 3 here
     assert 1 <= row["charts/episode_length"] <= steps and row["train/tokens"] > 0

@@ -3,12 +3,10 @@ written, a used out_dir refused, --eval_only against the numbers training logged
 TensorBoard rows, and the CLI (defaults in --help, choices, no prefix abbreviations)."""
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,25 +16,13 @@ import pytest
 import torch
 
 import bench
-import common as C
 import harness
-import models
 import plot
+from conftest import HERE, env, free_port, one_rank, rows_of, run
 
-HERE = Path(__file__).parent
 BASE = ["--tasks_per_update", "2", "--group_size", "2", "--eval_tasks", "2"]
 FAST = {"seed": ["--sft_tasks", "2", "--sft_rollouts", "2"], "opid": [],
         "grsd": ["--max_response_len", "32", "--reflection_max_tokens", "32"]}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def torchrun(method, out, *extra):
@@ -46,16 +32,6 @@ def torchrun(method, out, *extra):
 
 def python(method, out, *extra):
     return [sys.executable, str(HERE / f"{method}.py"), "--out_dir", str(out), *BASE, *FAST[method], *extra]
-
-
-def run(cmd, timeout=400):
-    res = subprocess.run(cmd, cwd=HERE, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
-
-
-def rows_of(out):
-    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl") if line.strip()]
 
 
 def untimed(rows):
@@ -86,6 +62,7 @@ def weights(path):
 
 # ------------------------------------------------------------------------------------------------ kill -9, resume
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,first_state", [("seed", "stage1"), ("opid", "update1"), ("grsd", "update1")])
 def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tmp_path):
     """2 ranks, save_every 1. SEED is killed after its first checkpoint (θ_sft + skill library: stage 2 restarts
@@ -132,6 +109,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_kill_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
     out = tmp_path / "run"
     flags = ["--updates", "3", "--save_every", "1", "--eval_every", "0"]
@@ -151,6 +129,7 @@ def test_a_kill_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
     assert harness.read_meta(str(out / "final"))["next_update"] == 3
 
 
+@pytest.mark.slow
 def test_a_finished_run_extended_on_more_ranks_keeps_its_checkpoints(tmp_path):
     """1 process, 1 update; then --resume --updates 2 under torchrun with 2 ranks: the AdamW state (a full state
     dict) is broadcast from rank 0 and resharded; the RNG streams, saved per rank, start again from the seed."""
@@ -176,24 +155,7 @@ def test_a_finished_run_extended_on_more_ranks_keeps_its_checkpoints(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ out_dir rules
 
-@contextlib.contextmanager
-def one_rank():
-    """The 1-rank gloo group of `python opid.py` (another module's, when pytest already holds one; else formed
-    here and torn down again, with the environment restored)."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        yield C.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-        return
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    try:
-        yield models.init_distributed(seed=0)
-    finally:
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
+@pytest.mark.slow
 def test_a_used_out_dir_is_refused_without_resume_or_overwrite(tmp_path):
     import opid
     (tmp_path / "metrics.jsonl").write_text('{"update": 0}\n')
@@ -264,6 +226,7 @@ def two_runs(tmp_path_factory):
     return root / "grpo", root / "opid"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint,row", [("update1", 0), ("final", 1)])
 def test_eval_only_reproduces_the_eval_that_training_logged(two_runs, checkpoint, row, tmp_path):
     train_dir = two_runs[1]
@@ -279,6 +242,7 @@ def test_eval_only_reproduces_the_eval_that_training_logged(two_runs, checkpoint
     assert not [p for p in tmp_path.iterdir() if (p / "config.json").exists()]  # no checkpoint written
 
 
+@pytest.mark.slow
 def test_tensorboard_gets_the_same_rows(two_runs):
     pytest.importorskip("tensorboard", reason="pip install tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -290,6 +254,7 @@ def test_tensorboard_gets_the_same_rows(two_runs):
         assert [e.value for e in events] == pytest.approx([r[key] for r in rows_of(two_runs[0])], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_plot_draws_one_line_per_run_and_writes_a_png(two_runs, tmp_path):
     pytest.importorskip("matplotlib", reason="pip install matplotlib")
     import matplotlib.image
@@ -307,6 +272,7 @@ def test_plot_draws_one_line_per_run_and_writes_a_png(two_runs, tmp_path):
     assert "wrote" in res.stdout and (tmp_path / "b.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_compare_prints_one_row_per_run(two_runs):
     res = run([sys.executable, str(HERE / "tools" / "plot.py"), "compare", *map(str, two_runs)])
     lines = res.stdout.strip().splitlines()
@@ -360,6 +326,7 @@ def test_a_tracker_without_its_package_is_named(tracker, tmp_path):
         opid.resolve(opid.Args(out_dir=str(tmp_path), track=tracker))
 
 
+@pytest.mark.slow
 def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
     """python bench.py --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
     over HTTP as OPID's analyzer (so OPID's teacher scores tokens), the table and bench.json (CI, ≤ 2 minutes)."""

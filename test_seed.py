@@ -3,9 +3,7 @@ reduces to GRPO exactly, micro-batching leaves the update unchanged, stage-1 SFT
 stages end to end (one process, and torchrun with 2 FSDP ranks) with a real HTTP annotator on localhost."""
 import json
 import math
-import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -18,76 +16,18 @@ import torch
 import common as C
 import harness
 import models
-import envs
 import seed
-
-HERE = Path(__file__).resolve().parent
+from conftest import HERE, SHARED, clean_env, expert_batch, free_port  # noqa: F401  (shared helpers)
 
 
 @pytest.fixture(scope="module")
 def d():
-    return models.init_distributed(seed=0)  # a 1-rank gloo group, as `python seed.py` uses
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return models.load_tokenizer("tiny")
-
-
-def play(env, tok, responses):
-    """Turn raw response texts into a real Trajectory with real token ids from the real tokenizer."""
-    tr = C.Trajectory(env_task_id(env), 0, env.task, env.family, env.observation)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    for text in responses:
-        if callable(text):
-            text = text(env)
-        prompt = env.prompt()
-        ids, _ = C.encode_prompt(tok, prompt, 1024)
-        resp = tok(text, add_special_tokens=False)["input_ids"] + [end]
-        obs, r, done, info = env.step(text)
-        tr.turns.append(C.Turn(prompt, ids, resp, text, info["action"], info["valid"], obs, r))
-        tr.won = info["won"]
-        if done:
-            break
-    return tr
-
-
-def env_task_id(env):
-    return getattr(env, "task_id", "task")
-
-
-def expert_turn(env):
-    return envs.format_expert_response(env.expert_action(), "household")
-
-
-def trajectories(tok, task_id, n_success, n_fail, steps=4):
-    out = []
-    for k in range(n_success + n_fail):
-        env = envs.make_env("household", split="train", seed=0, max_steps=steps if k >= n_success else 30,
-                            rules="strict")  # the hand-computed numbers of these tests use win = 1
-        env.reset(task_id)
-        if k < n_success:
-            out.append(play(env, tok, [expert_turn] * 30))
-        else:  # a failure: a few wandering moves and one malformed reply
-            out.append(play(env, tok, ["<think>look around</think><action>look</action>", "no tags at all",
-                                       "<think>x</think><action>inventory</action>", "<action>look</action>"]))
-    return out
+    """A 1-rank gloo group, as `python seed.py` uses (kept for the session: unlike conftest's `d`, not torn down)."""
+    return models.init_distributed(seed=0)
 
 
 def make_args(**kw):
     return seed.resolve(seed.Args(**kw))
-
-
-def expert_batch(tok):
-    """Two groups on two real household tasks: a mixed group (2 expert wins, 2 failures) and a tied group
-    (4 failures). Skills for all but two trajectories (those give no OPD tokens)."""
-    ids = envs.make_env("household", split="train", seed=0).task_ids()
-    g0, g1 = trajectories(tok, ids[0], 2, 2), trajectories(tok, ids[1], 0, 4)
-    for tr in g1:
-        tr.group = 1
-    skills = ["Workflow: find the object, take it, then place it at the target receptacle."] * 8
-    skills[1] = skills[5] = None
-    return g0 + g1, skills
 
 
 @pytest.fixture(scope="module")
@@ -343,13 +283,6 @@ def test_chat_client_survives_cut_bodies_and_odd_content():
     assert first == "<skill>a b c</skill>" and second is None and client.failures == 1 and Flaky.calls == 4
 
 
-def clean_env():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def check_run(out: Path, n_updates: int, sft_examples: bool):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert len(rows) == 1 + n_updates
@@ -372,6 +305,7 @@ def check_run(out: Path, n_updates: int, sft_examples: bool):
     return rows
 
 
+@pytest.mark.slow
 def test_seed_end_to_end_single_process_with_http_annotator(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Annotator)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -397,6 +331,7 @@ def test_seed_end_to_end_single_process_with_http_annotator(tmp_path):
     assert row["charts/episode_length"] <= 2 and row["charts/response_tokens"] <= 16
 
 
+@pytest.mark.slow
 def test_seed_end_to_end_torchrun_two_ranks_one_idle(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "seed.py"), "--out_dir", str(tmp_path), "--updates", "2",
@@ -406,6 +341,7 @@ def test_seed_end_to_end_torchrun_two_ranks_one_idle(tmp_path):
     check_run(tmp_path, 2, sft_examples=False)  # the random tiny policy writes no well-formed skill
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     """Each of 2 FSDP ranks holds one group; the loss is normalised by the global token count and scaled by the
     world size, so the step equals the 1-process step on the whole batch (DESIGN.md §4)."""
@@ -421,9 +357,7 @@ def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     assert max((two["params"][k] - single[k]).abs().max().item() for k in single) < 1e-6
 
 
-SHARED = Path(os.environ.get("SHARED_DATA") or HERE.parent / "shared" / "data")
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("env_name,data", [("alfworld", "alfworld"), ("search", "search_qa"), ("webshop", "webshop")])
 def test_seed_runs_real_benchmark_episodes(env_name, data, tmp_path):
     if not (SHARED / data).is_dir():
@@ -440,12 +374,6 @@ def test_seed_runs_real_benchmark_episodes(env_name, data, tmp_path):
     steps = {"alfworld": 6, "search": 4, "webshop": 3}[env_name]  # tiny: ALFWorld ≤ 6, Search-R1 4, WebShop 3 here
     assert 1 <= row["charts/episode_length"] <= steps and row["train/tokens"] > 0
     assert "eval/success" in row and (tmp_path / "final" / "config.json").is_file()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update

