@@ -6,7 +6,7 @@ loop uses) -> RL primitives (masked mean, clipped surrogate, k3 KL, rollout impo
 Plumbing lives beside it: models.py (distributed setup, models, FSDP2, rollout engines) and harness.py (flags, the
 run directory, checkpoints, metrics, trackers, endpoints, env worker processes).
 
-Conventions (DESIGN.md §3-4):
+Conventions:
   * Every rank owns whole task groups (all N rollouts of a task), so group statistics are local.
   * FSDP forwards are collectives: every rank runs the same number of forward/backward calls. A rank with fewer
     samples runs a 2-token dummy micro-batch whose loss is multiplied by 0 (minibatch_chunks hides this).
@@ -154,7 +154,7 @@ class Trajectory:
     score: float = 0.0        # the benchmark's score (WebShop's reward in [0, 1]; elsewhere = won)
 
     @property
-    def reward(self) -> float:  # R(τ) = task outcome minus invalid-action penalties (DESIGN.md §4)
+    def reward(self) -> float:  # R(τ) = task outcome minus invalid-action penalties
         return sum(t.reward for t in self.turns)
 
 
@@ -292,7 +292,8 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     the longest response. Layout: each row's prompt + response is right-aligned (left padding only, pads hold token 0
     and are masked), so a micro-batch is as wide as its longest sequence and every response ends in the last column:
     the model computes logits only for the last R + 1 positions (logits_to_keep), and each row's log-probs are then
-    shifted to start at column 0. Left padding needs explicit position ids (DESIGN.md §4)."""
+    shifted to start at column 0. Left padding needs explicit position ids
+    (pos = cumsum(mask) − 1): padded and unpadded rows then give the same log-probs (test_losses)."""
     W, R = max(len(p) + len(r) for p, r in zip(prompts, responses)), max(len(r) for r in responses)
     ids = torch.zeros((len(prompts), W), dtype=torch.long)
     attn = torch.zeros_like(ids)

@@ -21,7 +21,7 @@ Rules (rules=, CLI --env_rules), for household, alfworld and webshop:
                         tags its last 30 / 20 characters; malformed = missing tags, no <think> and </think>, or a
                         Chinese character) and its prompt content (verl_agent_prompt). household keeps its own
                         prompt and parse_action, and answers a well-formed inadmissible command "Nothing happens."
-  strict                this project's earlier rules: exactly one think block and an admissible command, else a
+  strict                the stricter rules: exactly one think block and an admissible command, else a
                         penalised no-op answered by the env ("Nothing happens.", the same page in WebShop); win 1
                         (WebShop: the score); Env.prompt, which shows the step limit.
 info["valid"] is True for a well-formed step that the benchmark can carry out (admissible / does something).
@@ -506,7 +506,7 @@ class AlfWorldEnv(Env):
     """One real ALFWorld game file per instance (what GRPO groups need: N instances on one game).
     rules="verl_agent" (default) is verl-agent's ALFWorld: its projection (every command goes to the game, which
     answers "Nothing happens." to what it cannot do; only the format is penalised), reward 10 per win, its prompt
-    content (below). rules="strict" is this project's earlier env: exactly one think block and an admissible
+    content (below). rules="strict" is the stricter variant: exactly one think block and an admissible
     command, else a penalised no-op answered here; win 1; prompt of Env.prompt (reveals the step limit).
     expert: None (default: training never asks), "handcoded" (ALFWorld's heuristic agent: free, but in 0.4.2 it
     fails pick_two games because it tracks "put" while the game says "move"; its random draws come from a private

@@ -1,4 +1,4 @@
-"""GRSD: Group-Reflective Self-Distillation for agentic RL (paper: ../shared/papers/grsd.txt).
+"""GRSD: Group-Reflective Self-Distillation for agentic RL.
 
 Each update (Alg. 1): θ_old plays G rollouts per task; Stage A: θ_old writes one reflection s_i per verified
 trajectory (three numbered points, Eq. 3), which a fixed judge scores in {0,1,2,3} (Eq. 4) → A_ref = Norm_G(r_ref);

@@ -58,7 +58,7 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
     sd = get_model_state_dict(policy, options=full)
     osd = get_optimizer_state_dict(policy, opt, options=full) if opt is not None else None
     if d.main:
-        policy.save_pretrained(tmp, state_dict=sd)  # (empties sd: DESIGN.md §6)
+        policy.save_pretrained(tmp, state_dict=sd)  # (save_pretrained empties the dict it is given)
         tok.save_pretrained(tmp)
         if osd is not None:
             torch.save(osd, os.path.join(tmp, STATE, "optimizer.pt"))
@@ -555,7 +555,7 @@ def engine_metrics(engine, start: tuple[int, int, int], d: Dist) -> dict:
 
 
 def sample_count(samples: list, d: Dist) -> float:
-    """Σ samples over all ranks (with sample_tokens: their mean length, which bench.py prices by)."""
+    """Σ samples over all ranks (with sample_tokens: their mean length, which tools/bench.py prices by)."""
     return global_sum([len(samples)], d.device)[0]
 
 

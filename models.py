@@ -102,8 +102,8 @@ Task outcome: success failure reward invalid action episode step the a an of in 
 
 
 def build_tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 1024):
-    """Byte-level BPE with Qwen2's pre-tokenizer regex and NFC, ChatML template (DESIGN.md §6), learned from the
-    agent-vocabulary corpus above, plus `texts` when given (experiment.py's backbone learns it from household text)."""
+    """Byte-level BPE with Qwen2's pre-tokenizer regex and NFC, ChatML template, learned from the
+    agent-vocabulary corpus above, plus `texts` when given (tools/experiment.py's backbone learns it from household text)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -242,7 +242,7 @@ class HFEngine:
 
 
 class VLLMEngine(HFEngine):
-    """θ_old served by vLLM inside this rank's process (DESIGN.md §7). Same contract as HFEngine; differences:
+    """θ_old served by vLLM inside this rank's process (docs/engines.md). Same contract as HFEngine; differences:
       * one engine per rank with distributed_executor_backend="external_launcher" and TP = 1: vLLM joins the
         process group torchrun (or init_distributed) made, and each rank generates for its own task groups;
       * sync() pushes the FSDP full tensors one at a time through the worker's reload_weights(weights_iterator=…),

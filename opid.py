@@ -1,4 +1,4 @@
-"""OPID: On-Policy skill Distillation for agentic RL (paper: ../shared/papers/opid.txt).
+"""OPID: On-Policy skill Distillation for agentic RL (arXiv 2606.26790).
 
 Each update (Alg. 1): θ_old plays N rollouts per task; an analyzer turns every finished trajectory into one
 episode-level skill (a workflow for a success, an avoidance rule for a failure) and step-level skills for a few
@@ -39,7 +39,7 @@ Deviations / choices:
   * A_ep = (R − μ)/σ with the population std, as §3.4 writes (no ε; |A_ep| ≤ sqrt(N − 1) whenever σ > 0).
     A tied group (σ = 0) gets A_ep = 0 exactly. The official code instead normalises over all step-samples of a
     group (longer trajectories weigh more) and uses an unbiased std, a dual clip (c = 3) and an entropy bonus;
-    we follow the paper (DESIGN.md §6b).
+    we follow the paper.
   * ℓ_old and ℓ_skill are scored once per update by the training model before any step (θ = θ_old then), so
     A_OPID is fixed during the mini-batch loop; λ_skill defaults to 0.001 (official scripts; both skill levels).
   * The loss is a token mean over the mini-batch's valid tokens (all ranks); KL is the k3 estimator to π_ref

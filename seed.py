@@ -1,4 +1,4 @@
-"""SEED: Self-Evolving on-policy Distillation for agentic RL (paper: ../shared/papers/seed.txt).
+"""SEED: Self-Evolving on-policy Distillation for agentic RL (arXiv 2607.14777).
 
 Two stages, both in this file:
   Stage 1, hindsight-skill SFT (§3.2): the base policy plays K0 rollouts of M tasks; an analyzer turns every

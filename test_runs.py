@@ -1,4 +1,4 @@
-"""Long runs (common.Run): kill -9 and --resume under torchrun for every method, a kill while a checkpoint is
+"""Long runs (harness.Run): kill -9 and --resume under torchrun for every method, a kill while a checkpoint is
 written, a used out_dir refused, --eval_only against the numbers training logged, plot / compare on real runs,
 TensorBoard rows, and the CLI (defaults in --help, choices, no prefix abbreviations)."""
 from __future__ import annotations
@@ -328,7 +328,7 @@ def test_a_tracker_without_its_package_is_named(tracker, tmp_path):
 
 @pytest.mark.slow
 def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
-    """python bench.py --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
+    """python tools/bench.py --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
     over HTTP as OPID's analyzer (so OPID's teacher scores tokens), the table and bench.json (CI, ≤ 2 minutes)."""
     out = tmp_path / "bench"
     res = subprocess.run([sys.executable, str(HERE / "tools" / "bench.py"), "--smoke", "--out", str(out)], cwd=HERE,

