@@ -53,6 +53,7 @@ CLI: `python envs.py serve-retriever --corpus corpus.jsonl --port 8000` serves B
 """
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -418,6 +419,32 @@ class HouseholdEnv(Env):
         if kind(rec) in OPENABLE and rec not in self.opened and action.split()[0] in ("take", "move"):
             return f"open {rec}"
         return action
+
+    # ---- privileged ground truth per turn (does a method's per-turn credit single out the right turns?)
+    def expert_distance(self, limit: int = 60) -> int | None:
+        """Steps the privileged expert takes from this state to the goal (0: met already), replayed on a copy; None
+        if it does not get there within `limit`. The expert knows every object's place, so this is (an upper bound
+        of) the length of a shortest completion."""
+        sim = copy.deepcopy(self)
+        for n in range(limit + 1):
+            if sim.goal_met():
+                return n
+            sim.done = False
+            sim._act(sim.expert_action())
+        return None
+
+    def turn_is_good(self, command: str | None) -> bool:
+        """Ground truth for the turn about to play `command` (None: no well-formed action): good iff it is admissible
+        and keeps the task on a shortest completion, i.e. it is the expert's own action here or the expert's distance
+        to the goal drops after it; bad iff it wastes the step (inadmissible, a detour, the wrong object, a look)."""
+        if command is None or command not in self.commands():
+            return False
+        if command == self.expert_action():
+            return True
+        before, sim = self.expert_distance(), copy.deepcopy(self)
+        sim._act(command)
+        after = sim.expert_distance()
+        return after is not None and (before is None or after < before)
 
 
 # ----------------------------------------------------------------------------- alfworld (real games)

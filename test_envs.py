@@ -139,6 +139,37 @@ def test_household_goals_need_every_condition():
             assert env.goal_met()
 
 
+def test_household_turn_labels_by_hand():
+    """Ground truth per turn on a hand-played task ("put some plate on countertop": plate 1 and mug 1 in the closed
+    drawer 3, targets countertop 1 and 2). The expert's distance from the start is 5 (go to drawer 3, open it, take
+    plate 1, go to countertop 1, move it there). Good: the expert's action, or any admissible action after which
+    that distance drops (going to countertop 2, the other target); bad: a detour, a look, the wrong object, an
+    inadmissible or missing command. Labelling never changes the env's state."""
+    env = make_env("household", "train")
+    env.reset("household-train-6")
+    assert env.expert_distance() == 5
+    assert [env.turn_is_good(c) for c in ("go to drawer 3", "go to cabinet 1", "look", "inventory",
+                                          "take plate 1 from drawer 3", None)] == [True, False, False, False,
+                                                                                 False, False]
+    before = household_state(env)
+    env.step(format_expert_response("go to drawer 3", "household"))
+    assert household_state(env) != before and env.expert_distance() == 4
+    assert env.turn_is_good("open drawer 3") and not env.turn_is_good("go to drawer 2")
+    env.step(format_expert_response("open drawer 3", "household"))
+    assert env.expert_distance() == 3
+    snapshot = household_state(env)
+    assert env.turn_is_good("take plate 1 from drawer 3") and not env.turn_is_good("take mug 1 from drawer 3")
+    assert not env.turn_is_good("close drawer 3") and household_state(env) == snapshot
+    env.step(format_expert_response("take plate 1 from drawer 3", "household"))
+    assert env.expert_distance() == 2 and env.expert_action() == "go to countertop 1"
+    assert env.turn_is_good("go to countertop 2")  # not the expert's choice, but as short: distance 2 -> 1
+    assert not env.turn_is_good("move plate 1 to drawer 3")  # puts the plate back: distance 2 -> 3
+    env.step(format_expert_response("go to countertop 2", "household"))
+    assert env.expert_distance() == 1 and env.turn_is_good("move plate 1 to countertop 2")
+    env.step(format_expert_response("move plate 1 to countertop 2", "household"))
+    assert env.won and env.expert_distance() == 0
+
+
 @pytest.mark.parametrize("label", sorted(UGLY))
 def test_household_malformed_response_is_a_penalised_no_op(label):
     env = make_env("household", "valid_seen", rules="strict")  # strict: every invalid step costs 0.1
