@@ -142,8 +142,6 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
     lam_t = rlsd_lambda_at(update, args.rlsd_lambda, args.rlsd_warmdown) if args.rlsd_lambda > 0 else 0.0
     adv_tok = [rlsd_advantages(s.adv, old[i], teacher[i], lam_t, args.rlsd_clip) for i, s in enumerate(samples)] \
         if args.rlsd_lambda > 0 else [torch.full_like(old[i], s.adv) for i, s in enumerate(samples)]  # RLSD, or A
-    skill_lp = [t if t is not None else torch.zeros(len(r)) for t, r in zip(teacher, R)]
-    has_skill = [t is not None for t in teacher]
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
@@ -158,7 +156,7 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
                 _, pg, kl = S.grpo_loss(logp, old_lp, m.rows(ref_lp), adv, mask, args.clip_eps, args.beta_kl, n_tok)
                 loss = args.pg_coef * pg + args.beta_kl * kl  # L_rl; OPSD: pg_coef 0 keeps only the KL
                 if args.lambda_opd > 0:  # RLSD has no distillation term
-                    t_lp, mk = m.rows(skill_lp), (mask * m.column(has_skill)).detach()
+                    t_lp, mk = m.rows(teacher), (mask * m.has(teacher)).detach()
                     if args.distill == "opd":  # SDAR, OPSD, GRPO+OPSD: Eq. (1) with ℓ_T at θ_old
                         l_opd, gate = S.opd_loss(logp, t_lp, mk, args.beta_opd, n_tok)
                         sums["gate"] += (gate * mk).sum().item()

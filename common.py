@@ -395,8 +395,14 @@ class MicroBatch:
         return sequence_logprobs(model, self.prompts, self.responses, self.device)
 
     def rows(self, per_sample, dummy: float = 0.0) -> torch.Tensor:
-        """[B, R]: its samples' 1-D per-token tensors, right-padded with 0 (a dummy: one `dummy`)."""
-        return pad_right([per_sample[i] for i in self.idx] or [torch.full((1,), dummy)], self.device)
+        """[B, R]: its samples' 1-D per-token tensors, right-padded with 0; a None entry (a turn without a teacher)
+        is all 0 (a dummy: one `dummy`)."""
+        rows = [torch.zeros(len(r)) if per_sample[i] is None else per_sample[i] for i, r in zip(self.idx, self.responses)]
+        return pad_right(rows or [torch.full((1,), dummy)], self.device)
+
+    def has(self, per_sample) -> torch.Tensor:
+        """[B, 1]: 1 where the sample's entry is not None (a dummy: 0)."""
+        return torch.tensor([[float(per_sample[i] is not None)] for i in self.idx] or [[0.0]], device=self.device)
 
     def column(self, per_sample, dummy: float = 0.0) -> torch.Tensor:
         """[B, 1]: one float per sample (a dummy: `dummy`)."""

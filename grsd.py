@@ -456,6 +456,8 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     r_order = list(range(len(refls)))
     random.shuffle(r_order)
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
+    weight = {"": [s.weight for s in turns], "ref": [s.weight for s in refls]}  # 1/N_i of each sample's trajectory
+    r_adv = [s.adv for s in refls]  # A_ref
     sums, norms = Counter(), []
     with timer("update"):
         for b in range(n_mb):
@@ -467,9 +469,9 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                                          args.micro_batch_tokens)
             for m in C.minibatch_chunks(d, P, R, task, ("ref", RP, RR, ref_chunks)):
                 logp, mask = m.logprobs(policy)                                     # ℓ_θ, with gradient
-                w = m.column([s.weight for s in (refls if m.kind == "ref" else turns)])  # 1/N_i of its trajectory
+                w = m.column(weight[m.kind])
                 if m.kind == "ref":                                                 # Eq. (14), weight α
-                    pg = grpo_surrogate(logp, m.rows(r_old), m.column([s.adv for s in refls]), mask, w,
+                    pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, w,
                                         args.clip_eps, r_denom)
                     loss = args.alpha * pg
                     sums["ref"] += pg.item()

@@ -406,8 +406,6 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             if args.lambda_opd > 0:  # Alg. 1 l.22, teacher branch: ℓ_skill with the current θ, no gradient
                 with timer("teacher"):  # time/teacher is a part of time/update
                     teacher = teacher_scores(policy, samples, mb, R, args, d)
-                skill_lp = [t if t is not None else torch.zeros(len(r)) for t, r in zip(teacher, R)]
-                has_skill = [t is not None for t in teacher]  # a turn without a valid skill: no L_opd numerator
             for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)):
                 logp, mask = m.logprobs(policy)  # Alg. 1 l.22, student branch: ℓ_θ in the plain context, with gradient
                 adv = m.rows(adv_tok) * m.rows(is_w, dummy=1.0)  # A per token (· w: --rollout_is)
@@ -415,7 +413,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 _, pg, kl = grpo_loss(logp, m.rows(old), m.rows(ref_lp), adv, mask, args.clip_eps, args.beta_kl, n_tok)
                 loss = pg + args.beta_kl * kl  # L_rl
                 if args.lambda_opd > 0:  # with λ_opd = 0 the teacher branch is never run: exactly GRPO
-                    t_lp, mk = m.rows(skill_lp), (mask * m.column(has_skill)).detach()
+                    t_lp, mk = m.rows(teacher), (mask * m.has(teacher)).detach()  # no valid skill: no L_opd numerator
                     l_opd, gate = opd_loss(logp, t_lp, mk, args.beta_opd, n_tok)  # l.23-24, 27: Eq. (1)
                     loss = loss + args.lambda_opd * l_opd  # L_SEED (l.28)
                     sums["opd"] += l_opd.item()

@@ -121,6 +121,9 @@ def test_bad_library_gives_a_clear_error(tmp_path):
         seed.resolve(seed.Args(skip_sft=True, train_with_skills=True))
     with pytest.raises(SystemExit, match="RLSD"):
         seed.resolve(seed.Args(skip_sft=True, lambda_opd=0, rlsd_lambda=0.5))
+    for flags in ({"pg_coef": 0.0}, {"distill": "sdl"}):  # a baseline's loss with SEED's current-θ teacher: refused
+        with pytest.raises(SystemExit, match="add --teacher_params old"):
+            seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, **flags))
 
 
 def test_sdar_matches_its_definition(d, tok, batch):

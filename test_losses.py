@@ -213,8 +213,12 @@ def test_minibatch_chunks_by_hand(d):
     adv = [torch.tensor([1.0]), torch.tensor([2.0, 3.0]), torch.tensor([4.0])]
     assert got[0].rows(adv).tolist() == [[2.0, 3.0]] and got[1].rows(adv).tolist() == [[1.0], [4.0]]
     assert got[1].column([0.5, 0.25, 0.125]).tolist() == [[0.5], [0.125]]
+    teacher = [torch.tensor([-1.0]), None, torch.tensor([-2.0])]  # sample 1 has no teacher: zeros, has = 0
+    assert got[0].rows(teacher).tolist() == [[0.0, 0.0]] and got[0].has(teacher).tolist() == [[0.0]]
+    assert got[1].rows(teacher).tolist() == [[-1.0], [-2.0]] and got[1].has(teacher).tolist() == [[1.0], [1.0]]
     dummy = C.MicroBatch("", [], [C.DUMMY[0]], [C.DUMMY[1]], 0.0, torch.device("cpu"))
     assert not dummy.real and dummy.rows(adv, dummy=1.0).tolist() == [[1.0]] and dummy.column(adv).tolist() == [[0.0]]
+    assert dummy.has(teacher).tolist() == [[0.0]]
     assert C.global_sums({"a": 1.5, "b": 2.0}, d) == {"a": 1.5 * d.world, "b": 2.0 * d.world}
 
 
