@@ -31,7 +31,8 @@ Environments
 ------------
 household  A small seeded text household mimicking ALFWorld's commands, texts and six task families.
            200 train, 60 valid_seen, 60 valid_unseen tasks ("household-train-17"); a layout is a function of
-           (seed, task id); valid_unseen uses object types never seen in train. A privileged scripted
+           (seed, task id); valid_unseen uses object types never seen in train. room="small" (--household_room):
+           an easier room (7-9 receptacles, 2-4 other objects) with 120 tasks per held-out split. A privileged scripted
            expert solves every task, also when it takes over mid-episode.
 alfworld   The real games via `alfworld` (pip install alfworld==0.4.2 pyyaml), one game file per instance.
            data_dir (default $ALFWORLD_DATA) holds json_2.1.1/{train|valid_train,valid_seen,valid_unseen}.
@@ -252,15 +253,25 @@ def list_things(names) -> str:
     return ", ".join(items[:-1]) + ", and " + items[-1] if len(items) > 1 else (items or ["nothing"])[0]
 
 
-def make_household_task(task_id: str, seed: int = 0) -> dict:
-    """The layout and goal of a task: a pure function of (seed, task id)."""
+ROOMS = ("full", "small")  # household room sizes (HouseholdEnv(room=...), CLI --household_room)
+
+
+def make_household_task(task_id: str, seed: int = 0, room: str = "full") -> dict:
+    """The layout and goal of a task: a pure function of (seed, task id, room). room="full": 12-19 receptacles and
+    6-12 other objects (ALFWorld-like); room="small": an easier room of 7-9 receptacles (1-2 cabinets, 1 drawer,
+    1 countertop, fridge, microwave, sinkbasin, 1-2 others) and 2-4 other objects, for models too small to search
+    a full room (tools/experiment.py). Both use the same families, task texts, object types and splits."""
+    if room not in ROOMS:
+        raise ValueError(f"unknown household room '{room}', expected one of {ROOMS}")
     split, index = task_id.split("-")[1], int(task_id.rsplit("-", 1)[1])
-    rng = random.Random(f"{seed}/{task_id}")
+    rng = random.Random(f"{seed}/{task_id}" if room == "full" else f"{seed}/{room}/{task_id}")
     family = FAMILIES[index % len(FAMILIES)]
-    sizes = {"cabinet": rng.randint(2, 5), "drawer": rng.randint(1, 3), "countertop": rng.randint(1, 2),
+    small = room == "small"
+    sizes = {"cabinet": rng.randint(1, 2) if small else rng.randint(2, 5),
+             "drawer": 1 if small else rng.randint(1, 3), "countertop": 1 if small else rng.randint(1, 2),
              "fridge": 1, "microwave": 1, "sinkbasin": 1}  # every room can clean, heat and cool
-    for k in rng.sample(OPTIONAL_RECEPTACLES, rng.randint(3, 6)):
-        sizes[k] = 2 if k in ("shelf", "stoveburner") and rng.random() < 0.5 else 1
+    for k in rng.sample(OPTIONAL_RECEPTACLES, rng.randint(1, 2) if small else rng.randint(3, 6)):
+        sizes[k] = 2 if k in ("shelf", "stoveburner") and rng.random() < 0.5 and not small else 1
     if not any(k in LAMP_HOLDERS for k in sizes):
         sizes["sidetable"] = 1
     recs = [f"{k} {i}" for k in sorted(sizes) for i in range(1, sizes[k] + 1)]
@@ -277,7 +288,7 @@ def make_household_task(task_id: str, seed: int = 0) -> dict:
     for _ in range(rng.randint(2, 3) if family == "pick_two_obj_and_place" else 1):
         place(otype, [r for r in recs if kind(r) != rtype])
     others = [t for t in sorted(set(SMALL + FOOD + DISH + UTENSIL)) if t != otype and (unseen or t not in UNSEEN_TYPES)]
-    for _ in range(rng.randint(6, 12)):
+    for _ in range(rng.randint(2, 4) if small else rng.randint(6, 12)):
         place(rng.choice(others), recs)
     task = rng.choice(TASK_TEXTS[family]).format(o=otype, r=rtype)
     return {"family": family, "task": task, "otype": otype, "rtype": rtype, "receptacles": recs,
@@ -288,12 +299,16 @@ class HouseholdEnv(Env):
     """ALFWorld-like household; all state lives in loc/holding/objects/opened/lamp_on."""
     name = "household"
 
-    def __init__(self, split="train", seed=0, data_dir=None, n_train=200, n_valid=60, **kw):
+    def __init__(self, split="train", seed=0, data_dir=None, n_train=200, n_valid=None, room="full", **kw):
         super().__init__(**kw)
-        self.seed, self._ids = seed, [f"household-{split}-{i}" for i in range(n_train if split == "train" else n_valid)]
+        if room not in ROOMS:
+            raise ValueError(f"unknown household room '{room}', expected one of {ROOMS}")
+        self.seed, self.room = seed, room
+        n_valid = n_valid if n_valid is not None else 60 if room == "full" else 120  # small: >= 100 eval tasks
+        self._ids = [f"household-{split}-{i}" for i in range(n_train if split == "train" else n_valid)]
 
     def _start(self, task_id):
-        spec = make_household_task(task_id, self.seed)
+        spec = make_household_task(task_id, self.seed, self.room)
         self.spec, self.objects = spec, spec["objects"]
         self.loc, self.holding, self.opened, self.lamp_on = None, None, set(), False
         view = f"{ROOM_VIEW} {list_things(spec['receptacles'])}."

@@ -197,6 +197,8 @@ def check_run_args(args):
     if args.env == "search" and args.env_rules != "verl_agent":
         raise SystemExit("--env_rules strict is ALFWorld's admissibility rule (household, alfworld); search has no "
                          "action list and keeps Search-R1's format penalty")
+    if args.env != "household" and args.household_room != "full":
+        raise SystemExit(f"--household_room is the household env's option; --env {args.env} has none")
     if args.engine is None:  # vLLM on GPU when it is installed, else the HF copy
         args.engine = "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
     if args.engine == "vllm" and not vllm_available():
@@ -495,6 +497,8 @@ def task_envs(args):
     factories are those of an EnvPool of K worker processes (call this before the models load: the workers fork)."""
     import envs
     kw = dict(seed=args.seed, data_dir=args.data_dir, max_steps=args.max_steps, rules=args.env_rules)
+    if args.env == "household":
+        kw.update(room=args.household_room)
     if args.env == "search":
         kw.update(retriever_url=args.retriever_url, timeout=args.retriever_timeout, retries=args.retriever_retries)
     make_train = lambda: envs.make_env(args.env, split="train", **kw)  # noqa: E731
@@ -687,6 +691,8 @@ class RunArgs:
     env_rules: str = arg("verl_agent", "household/alfworld/webshop rules: verl_agent (verl-agent's: only a malformed "
                          "reply −0.1, success 10; alfworld/webshop also its projection and prompt) or strict (every "
                          "invalid step −0.1, success 1 / WebShop's score)", envs.RULES)
+    household_room: str = arg("full", "household env: full (12-19 receptacles, ALFWorld-like) or small (7-9, fewer "
+                              "objects: for models too small to search a full room)", envs.ROOMS)
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
                                      "items_*.json)")

@@ -131,8 +131,8 @@ def replay(env: envs.HouseholdEnv, task_id: str, actions: list) -> tuple[Facts, 
                 f.took.append((t, obj, rec))
             else:
                 f.wrong_takes.append((t, obj))
-        if verb in APPLIANCE and env.objects[env.holding]["type"] == s["otype"]:
-            f.treated = t
+        if verb == TREATMENT.get(f.family) and env.objects[env.holding]["type"] == s["otype"]:
+            f.treated = t  # the treatment the task needs (a stray "clean" in a pick-and-place task is not one)
         if verb == "move":
             obj, rec = action[len("move "):].split(" to ")
             if env.objects[obj]["type"] == s["otype"] and kind(rec) == s["rtype"]:
@@ -409,14 +409,14 @@ def hinted_prompt(prompt: str, style: str, ok: Facts, bad: Facts | None, expert:
 HINT_STYLES = ("seed", "opid_episode", "opid_step", "grsd")
 
 
-def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0) -> list[tuple[str, str, str]]:
+def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0, room: str = "full") -> list[tuple[str, str, str]]:
     """(kind, user text, target response) pairs: 'act' (plain or hinted prompt -> expert response), 'skill' (SEED's
     x_τ -> <skill>…</skill>), 'reflect' (GRSD's p_ref -> three points), 'guide' (GRSD's p_guide -> DO / AVOID)."""
     import grsd
     import seed as seed_mod
     rng, pairs = random.Random(seed), []
     for data_seed in DATA_SEEDS:
-        env = envs.HouseholdEnv("train", seed=data_seed, max_steps=max_steps)
+        env = envs.HouseholdEnv("train", seed=data_seed, max_steps=max_steps, room=room)
         for task_id in env.task_ids()[:n_tasks]:
             clean, clean_actions = play(env, task_id, 0.0, rng, invalid=0.0, hinted=True)  # the privileged expert
             ok, _ = replay(env, task_id, clean_actions)
@@ -458,13 +458,13 @@ def build_backbone(vocab_size: int, seed: int, layers: int = 4, hidden: int = 25
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def eval_success(model, tok, split: str, layout_seed: int, max_steps: int, n: int = 60) -> float:
+def eval_success(model, tok, split: str, layout_seed: int, max_steps: int, n: int = 60, room: str = "full") -> float:
     """Greedy-free held-out success at the runs' eval temperature 0.4 (common.evaluate without a process group)."""
     import torch
     import common as C
     import models
     engine = models.HFEngine(model, tok, torch.device("cpu"))
-    make = lambda: envs.HouseholdEnv(split, seed=layout_seed, max_steps=max_steps)  # noqa: E731
+    make = lambda: envs.HouseholdEnv(split, seed=layout_seed, max_steps=max_steps, room=room)  # noqa: E731
     torch.manual_seed(0)
     trajs, _ = C.collect(engine, make, make().task_ids()[:n], 1, 1024, 64, 0.4, 1.0)
     model.train().requires_grad_(True)  # HFEngine froze it
@@ -499,7 +499,7 @@ def bc_lr(step: int, steps: int, decay_from: int) -> float:
 
 def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int = 200, batch: int = 16,
                lr: float = 1e-3, decay_from: int = 1500, seed: int = 0, target: tuple = (0.2, 0.4),
-               prompt_weight: float = 0.5, select_tasks: int = 60, log=print) -> dict:
+               prompt_weight: float = 0.5, select_tasks: int = 60, room: str = "full", log=print) -> dict:
     """Behaviour cloning (clone_loss: the responses, plus language modelling on the prompts), AdamW at lr x bc_lr.
     At each step in `checks` the weights, tokenizer and training state are saved to out/step<k>/ and the held-out
     success is measured (valid_seen, layout seed SELECT_SEED, `select_tasks` tasks, T 0.4); training stops at the first
@@ -511,7 +511,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
     import common as C
     import models
     t0 = time.time()
-    pairs = warm_start_data(n_tasks, max_steps, seed)
+    pairs = warm_start_data(n_tasks, max_steps, seed, room)
     done = [k for k in checks if os.path.isfile(os.path.join(out, f"step{k}", "config.json"))]
     start = max(done, default=0)
     if start:  # resume: the tokenizer and weights of the last check
@@ -564,7 +564,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
                 + f" lr {sched.get_last_lr()[0]:.2e} ({time.time() - t0:.0f} s)")
         if step in checks:
             t_eval = time.time()
-            success = eval_success(model, tok, "valid_seen", SELECT_SEED, max_steps, select_tasks)
+            success = eval_success(model, tok, "valid_seen", SELECT_SEED, max_steps, select_tasks, room)
             history[-1]["select_success"] = success
             log(f"[backbone] step {step}: valid_seen success (layout seed {SELECT_SEED}) {success:.3f} "
                 f"({time.time() - t_eval:.0f} s)")
@@ -582,7 +582,8 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
         if name != "train_state.pt":
             shutil.copy(os.path.join(out, f"step{kept['step']}", name), out)
     info = {**kept, "history": history, "seconds": time.time() - t0, "pairs": len(pairs), "lr": lr, "batch": batch,
-            "decay_from": decay_from, "steps": steps, "prompt_weight": prompt_weight, "resumed_at": start or None}
+            "decay_from": decay_from, "steps": steps, "prompt_weight": prompt_weight, "resumed_at": start or None,
+            "room": room}
     with open(os.path.join(out, "warm_start.json"), "w") as f:
         json.dump(info, f)
     return info
@@ -644,13 +645,13 @@ class Oracle:
     """Finds a parsed trajectory's task among the household train tasks of the given layout seeds and replays it.
     Counts: requests, replayed, fallbacks (a text from the task alone), by role."""
 
-    def __init__(self, seeds=(0, 1, 2), max_critical: int = 5):
+    def __init__(self, seeds=(0, 1, 2), max_critical: int = 5, room: str = "full"):
         self.max_critical, self.index, self.envs = max_critical, {}, {}
         for s in seeds:
-            env = envs.HouseholdEnv("train", seed=s, max_steps=10_000)  # the replay never stops an episode early
+            env = envs.HouseholdEnv("train", seed=s, max_steps=10_000, room=room)  # the replay never stops early
             self.envs[s] = env
             for tid in env.task_ids():
-                spec = envs.make_household_task(tid, s)
+                spec = envs.make_household_task(tid, s, room)
                 self.index.setdefault(spec["task"], []).append((s, tid))
         self.stats, self.lock = {}, threading.Lock()
 
@@ -751,6 +752,7 @@ class Budget:
     tasks_per_update: int = 4
     group_size: int = 4
     max_steps: int = 15
+    room: str = "small"       # household --household_room: the easier room (envs.make_household_task)
     lr: float = 1e-4          # 1e-6 (Table 5) would not move a 3.5 M model
     env_rules: str = "verl_agent"  # verl-agent's ALFWorld reward: 10 per win, -0.1 only for a malformed reply
     beta_kl: float = 0.001
@@ -765,7 +767,7 @@ class Budget:
 
 
 def shared_flags(b: Budget, model: str, seed: int, out_dir: str) -> list[str]:
-    flags = dict(env="household", env_rules=b.env_rules, model=model, seed=seed, out_dir=out_dir, updates=b.updates,
+    flags = dict(env="household", household_room=b.room, env_rules=b.env_rules, model=model, seed=seed, out_dir=out_dir, updates=b.updates,
                  tasks_per_update=b.tasks_per_update, group_size=b.group_size, max_steps=b.max_steps, lr=b.lr,
                  beta_kl=b.beta_kl, eval_every=b.eval_every, eval_tasks=b.eval_tasks, eval_split="both",
                  max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len, micro_batch=16,
@@ -926,21 +928,68 @@ def report(root: str, b: Budget, log=print) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# 7. The mechanism, measured on the backbone without training (tools/mechanism.py)
+# ------------------------------------------------------------------------------------------------------------------
+
+RESULTS = os.path.join(ROOT, "docs", "results")  # committed: what `report` rebuilds the tables and curves from
+
+
+def run_mechanism(a, b: Budget, backbone: str, cfg: dict) -> dict:
+    """Rollouts of the backbone (the untrained tiny model under --smoke) on layout seed mechanism.MECH_SEED, the oracle
+    over HTTP, every (method, source): writes <out>/mechanism.json and .md (and docs/results/ unless --smoke)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    import mechanism as M
+    import models
+    torch.set_num_threads(a.threads)
+    if a.smoke:
+        tok = models.load_tokenizer("tiny")
+        policy = models.load_model("tiny", 0)
+    else:
+        if not os.path.isfile(os.path.join(backbone, "config.json")):
+            raise SystemExit(f"no backbone at {backbone}: run `python tools/experiment.py backbone` first")
+        tok, policy = models.load_tokenizer(backbone), AutoModelForCausalLM.from_pretrained(backbone)
+    oracle = Oracle((M.MECH_SEED,), room=b.room)
+    server = serve_oracle(oracle)
+    models.init_distributed(0)  # a 1-rank group: common.score sums its micro-batch counts across ranks
+    try:
+        result = M.measure(policy.eval(), tok, cfg["mech_tasks"], cfg["mech_group"], b.max_steps, b.room,
+                           f"http://127.0.0.1:{server.server_address[1]}/v1", os.path.join(ROOT, "skills",
+                                                                                          "alfworld.jsonl"),
+                           max_prompt=b.max_prompt_len, max_response=b.max_response_len)
+    finally:
+        server.shutdown()
+        models.shutdown()
+    result["gate"], result["oracle_stats"] = M.gate(result), dict(oracle.stats)
+    result["backbone"] = "tiny (untrained, --smoke)" if a.smoke else backbone
+    dirs = [a.out] + ([] if a.smoke else [RESULTS])
+    for folder in dirs:
+        os.makedirs(folder, exist_ok=True)
+        M.write(result, os.path.join(folder, "mechanism.json"))
+        with open(os.path.join(folder, "mechanism.md"), "w") as f:
+            f.write(M.table(result) + "\n")
+    print(M.table(result))
+    print(f"[mechanism] gate (oracle Δ-AUC >= {M.GATE}): {'met' if result['gate']['met'] else 'NOT met'} "
+          f"{result['gate']['oracle_delta_auc']}; wrote {', '.join(dirs)}/mechanism.json")
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------------------------
 
 SMOKE = dict(budget=Budget(updates=1, tasks_per_update=2, group_size=2, max_steps=4, eval_every=1, eval_tasks=4,
                            sft_tasks=2, sft_rollouts=2, seeds=(0,)), bc_steps=4, checks=(2, 4), decay_from=2,
-             bc_tasks=4, select_tasks=4)  # its checks are judged on 4 tasks
+             bc_tasks=4, select_tasks=4, mech_tasks=2, mech_group=2)  # its checks are judged on 4 tasks
 FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 1250, 1500, 1750, 2000, 2250, 2500, 2750,
                                                    3000), decay_from=1500, bc_tasks=200,
-            select_tasks=60)
+            select_tasks=60, mech_tasks=64, mech_group=4)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cmd", nargs="?", default="all", choices=("all", "backbone", "oracle", "report"))
+    p.add_argument("cmd", nargs="?", default="all", choices=("all", "backbone", "oracle", "mechanism", "report"))
     p.add_argument("--out", default=OUT, help=f"experiment folder [default: {OUT}]")
     p.add_argument("--smoke", action="store_true", help="1 update, 1 seed, a 4-step warm start (the test)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time [default: 1]")
@@ -952,20 +1001,22 @@ def main(argv=None):
     b, backbone = cfg["budget"], os.path.join(a.out, "backbone")
     os.makedirs(a.out, exist_ok=True)
     if a.cmd == "oracle":
-        server = serve_oracle(Oracle(b.seeds), port=a.port)
+        server = serve_oracle(Oracle(b.seeds, room=b.room), port=a.port)
         print(f"oracle on http://127.0.0.1:{server.server_address[1]}/v1 (GET /stats); Ctrl-C stops it")
         threading.Event().wait()
     if a.cmd == "report":
         return report(a.out, b)
+    if a.cmd == "mechanism":
+        return run_mechanism(a, b, backbone, cfg)
     if not os.path.isfile(os.path.join(backbone, "warm_start.json")):
         import torch
         torch.set_num_threads(a.threads * a.parallel)
         os.makedirs(backbone, exist_ok=True)
         warm_start(backbone, cfg["bc_steps"], cfg["checks"], b.max_steps, n_tasks=cfg["bc_tasks"],
-                   decay_from=cfg["decay_from"], select_tasks=cfg["select_tasks"])
+                   decay_from=cfg["decay_from"], select_tasks=cfg["select_tasks"], room=b.room)
     if a.cmd == "backbone":
         return
-    oracle = Oracle(b.seeds)
+    oracle = Oracle(b.seeds, room=b.room)
     server = serve_oracle(oracle)
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     jobs = []
