@@ -32,7 +32,7 @@ Environments
 household  A small seeded text household mimicking ALFWorld's commands, texts and six task families.
            200 train, 60 valid_seen, 60 valid_unseen tasks ("household-train-17"); a layout is a function of
            (seed, task id); valid_unseen uses object types never seen in train. room="small" (--household_room):
-           an easier room (7-9 receptacles, 2-4 other objects) with 120 tasks per held-out split. A privileged scripted
+           an easier room (7-10 receptacles, 2-4 other objects) with 120 tasks per held-out split. A privileged scripted
            expert solves every task, also when it takes over mid-episode.
 alfworld   The real games via `alfworld` (pip install alfworld==0.4.2 pyyaml), one game file per instance.
            data_dir (default $ALFWORLD_DATA) holds json_2.1.1/{train|valid_train,valid_seen,valid_unseen}.
@@ -258,7 +258,7 @@ ROOMS = ("full", "small")  # household room sizes (HouseholdEnv(room=...), CLI -
 
 def make_household_task(task_id: str, seed: int = 0, room: str = "full") -> dict:
     """The layout and goal of a task: a pure function of (seed, task id, room). room="full": 12-19 receptacles and
-    6-12 other objects (ALFWorld-like); room="small": an easier room of 7-9 receptacles (1-2 cabinets, 1 drawer,
+    6-12 other objects (ALFWorld-like); room="small": an easier room of 7-10 receptacles (1-2 cabinets, 1 drawer,
     1 countertop, fridge, microwave, sinkbasin, 1-2 others) and 2-4 other objects, for models too small to search
     a full room (tools/experiment.py). Both use the same families, task texts, object types and splits."""
     if room not in ROOMS:

@@ -691,7 +691,7 @@ class RunArgs:
     env_rules: str = arg("verl_agent", "household/alfworld/webshop rules: verl_agent (verl-agent's: only a malformed "
                          "reply −0.1, success 10; alfworld/webshop also its projection and prompt) or strict (every "
                          "invalid step −0.1, success 1 / WebShop's score)", envs.RULES)
-    household_room: str = arg("full", "household env: full (12-19 receptacles, ALFWorld-like) or small (7-9, fewer "
+    household_room: str = arg("full", "household env: full (12-19 receptacles, ALFWorld-like) or small (7-10, fewer "
                               "objects: for models too small to search a full room)", envs.ROOMS)
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "

@@ -14,6 +14,7 @@ import harness
 import models
 import envs
 import experiment as E
+import mechanism as M
 import grsd
 import opid
 import seed
@@ -216,26 +217,67 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
 
 @pytest.mark.slow
 def test_experiment_smoke_run(tmp_path):
-    """The whole script at 1 update and 1 seed: backbone, oracle, 4 methods + the backbone eval, curves and table."""
+    """The whole script at 1 update and 1 seed: backbone, mechanism, hints, the dev probe, 4 methods + the backbone
+    evals, results JSONL, table and curves; a rerun of `runs` resumes run by run."""
     out = tmp_path / "exp"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "tools/experiment.py", "--smoke", "--out", str(out), "--parallel", "2", "--threads", "1"],
+    r = subprocess.run([sys.executable, "tools/experiment.py", "--smoke", "--out", str(out), "--threads", "1"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
     assert json.loads((out / "backbone" / "warm_start.json").read_text())["step"] == 4
+    results = out / "results"
+    records = {x["name"]: x for x in E.load_results(str(results / "runs.jsonl"))}
+    assert set(records) == {"backbone-dev-s100", "grpo-dev-lr0.0001-s100", "backbone-s0"} | {f"{m}-s0" for m in E.METHODS}
     for m in E.METHODS:
-        rows = E.read_rows(str(out / f"{m}-s0"))
-        last = [r for r in rows if "update" in r][-1]
-        assert last["update"] == 0 and "eval/success" in last and "eval_unseen/success" in last
-    start = E.read_rows(str(out / "backbone-s0"))[-1]
-    assert start["eval_only"] == 1 and "eval_unseen/success" in start
-    stats = json.loads((out / "oracle_stats.json").read_text())
+        rec = records[f"{m}-s0"]
+        assert rec["phase"] == "final" and rec["lr"] == 1e-4 and [e["update"] for e in rec["evals"]] == [1]
+        assert set(rec["evals"][0]) == {"update", "valid_seen", "valid_unseen"} and rec["train"][0]["update"] == 1
+        rows = E.read_rows(str(out / f"{m}-s0"))  # the record is the run's own metrics
+        assert rec["evals"][0]["valid_seen"] == [x for x in rows if "update" in x][-1]["eval/success"]
+    assert records["backbone-s0"]["evals"][0]["update"] == 0
+    stats = json.loads((out / "oracle_stats_final.json").read_text())
     assert stats["replayed/seed"] > 0 and stats["replayed/opid"] > 0 and not any(k.startswith("fallback") for k in stats)
-    table = (out / "table.md").read_text()
-    assert all(f"| {m} | 1 |" in table for m in E.METHODS)
-    assert (out / "curves.png").stat().st_size > 10_000
-    again = subprocess.run([sys.executable, "tools/experiment.py", "--smoke", "--out", str(out)], capture_output=True,
-                           text=True, timeout=300, env=env)
+    mech = json.loads((results / "mechanism.json").read_text())
+    assert [(x["method"], x["source"]) for x in mech["rows"]] == list(M.ROWS) and "met" in mech["gate"]
+    assert set(json.loads((results / "hints.json").read_text())["styles"]) == {"none", *E.HINT_STYLES}
+    table = (results / "table.md").read_text()
+    assert all(f"| {m} | 1 |" in table for m in ("backbone",) + E.METHODS) and "| 0.0001 | 1 |" in table
+    assert (results / "curves.png").stat().st_size > 10_000
+    again = subprocess.run([sys.executable, "tools/experiment.py", "runs", "--smoke", "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0 and again.stdout.count("already done, skipped") == 5  # a rerun resumes
+    assert (results / "table.md").read_text() == table
+
+
+def test_report_regenerates_the_committed_table(tmp_path):
+    """docs/results/table.md is what `python tools/experiment.py report` makes from docs/results/runs.jsonl."""
+    committed = os.path.join(E.RESULTS, "runs.jsonl")
+    if not os.path.isfile(committed):
+        pytest.skip("no committed results yet")
+    os.system(f"cp {committed} {tmp_path}/runs.jsonl")
+    text = E.report(str(tmp_path), log=lambda *a: None)
+    assert text == open(os.path.join(E.RESULTS, "table.md")).read()
+
+
+def test_comparison_table_by_hand(tmp_path):
+    """Paired gains and differences with 95 % t intervals, by hand: 3 seeds."""
+    def rec(name, method, seed, seen, phase="final", lr=1e-4):
+        return {"name": name, "phase": phase, "method": method, "seed": seed, "lr": lr, "seconds": 60.0,
+                "evals": [{"update": 0 if method == "backbone" else 10, "valid_seen": seen, "valid_unseen": 0.0}],
+                "train": [{"update": 1, "success": 0.5, "invalid": 0.1}], "time_per_update": {}}
+    base, grpo, seed_m = (0.2, 0.3, 0.1), (0.4, 0.4, 0.4), (0.5, 0.4, 0.6)
+    records = [rec(f"b{s}", "backbone", s, v) for s, v in enumerate(base)] + \
+        [rec(f"g{s}", "grpo", s, v) for s, v in enumerate(grpo)] + [rec(f"s{s}", "seed", s, v) for s, v in enumerate(seed_m)]
+    for r in records:
+        E.append_result(str(tmp_path / "runs.jsonl"), r)
+    assert len(E.load_results(str(tmp_path / "runs.jsonl"))) == 9
+    table = E.comparison_table(E.load_results(str(tmp_path / "runs.jsonl")))
+    # GRPO gains (0.2, 0.1, 0.3): mean 0.2, sd 0.1, half-width 4.303 * 0.1 / sqrt(3) = 0.2484
+    assert "| grpo | 3 | 40.0 ± 0.0 % | +20.0 [-4.8, +44.8] | – |" in table
+    # SEED gains (0.3, 0.1, 0.5): mean 0.3, sd 0.2, half-width 0.4969; SEED − GRPO (0.1, 0, 0.2): GRPO's half-width
+    assert "| seed | 3 | 50.0 ± 10.0 % | +30.0 [-19.7, +79.7] | +10.0 [-14.8, +34.8] |" in table
+    mu, half = E.mean_ci([0.2, 0.1, 0.3])
+    assert mu == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    assert E.best_dev_lr([rec("d1", "grpo", 100, 0.3, "dev", 1e-4), rec("d2", "grpo", 100, 0.5, "dev", 3e-4)]) == 3e-4

@@ -748,40 +748,41 @@ def serve_oracle(oracle: Oracle, host: str = "127.0.0.1", port: int = 0) -> envs
 @dataclass
 class Budget:
     """What every run shares (the tiny-model counterpart of Table 5)."""
-    updates: int = 6
-    tasks_per_update: int = 4
+    updates: int = 10
+    tasks_per_update: int = 8
     group_size: int = 4
     max_steps: int = 15
     room: str = "small"       # household --household_room: the easier room (envs.make_household_task)
-    lr: float = 1e-4          # 1e-6 (Table 5) would not move a 3.5 M model
+    lr: float = 1e-4          # the final runs' lr: the dev probes' best (1e-6, Table 5, would not move a 3.5 M model)
     env_rules: str = "verl_agent"  # verl-agent's ALFWorld reward: 10 per win, -0.1 only for a malformed reply
     beta_kl: float = 0.001
     minibatch_turns: int = 64  # ~4 optimizer steps per update (the paper's 256 would give 1 here)
-    eval_every: int = 3
-    eval_tasks: int = 60
+    eval_every: int = 5
+    eval_tasks: int = 120     # every held-out task of the small room's split
     max_prompt_len: int = 1024
     max_response_len: int = 80  # the warm-start responses are 44 tokens (median), 62 at most
     sft_tasks: int = 8        # SEED stage 1: M tasks x K0 rollouts annotated by the oracle, then SFT
     sft_rollouts: int = 4
-    seeds: tuple = (0, 1, 2)
+    seeds: tuple = (0, 1, 2, 3, 4)
+    dev_seeds: tuple = (100, 101)      # layouts of the lr probes: never trained or evaluated on by the final runs
+    dev_lrs: tuple = (3e-5, 1e-4, 3e-4)
 
 
-def shared_flags(b: Budget, model: str, seed: int, out_dir: str) -> list[str]:
-    flags = dict(env="household", household_room=b.room, env_rules=b.env_rules, model=model, seed=seed, out_dir=out_dir, updates=b.updates,
-                 tasks_per_update=b.tasks_per_update, group_size=b.group_size, max_steps=b.max_steps, lr=b.lr,
-                 beta_kl=b.beta_kl, eval_every=b.eval_every, eval_tasks=b.eval_tasks, eval_split="both",
-                 max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len, micro_batch=16,
-                 minibatch_turns=b.minibatch_turns,
-                 save_every=1000, engine="hf")
+def shared_flags(b: Budget, model: str, seed: int, out_dir: str, lr: float) -> list[str]:
+    flags = dict(env="household", household_room=b.room, env_rules=b.env_rules, model=model, seed=seed,
+                 out_dir=out_dir, updates=b.updates, tasks_per_update=b.tasks_per_update, group_size=b.group_size,
+                 max_steps=b.max_steps, lr=lr, beta_kl=b.beta_kl, eval_every=b.eval_every, eval_tasks=b.eval_tasks,
+                 eval_split="both", max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len,
+                 micro_batch=16, minibatch_turns=b.minibatch_turns, save_every=1000, engine="hf")
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))] + ["--overwrite"]
 
 
-def method_flags(method: str, oracle_url: str, b: Budget) -> tuple[str, list[str]]:
+def method_flags(method: str, oracle_url: str, b: Budget, lr: float) -> tuple[str, list[str]]:
     """(script, the method's own flags); coefficients stay at the papers' values."""
     return {
         "grpo": ("seed.py", ["--skip_sft", "--lambda_opd", "0"]),
         "seed": ("seed.py", ["--annotator_url", oracle_url, "--annotator_model", "oracle", "--sft_tasks", str(b.sft_tasks),
-                             "--sft_rollouts", str(b.sft_rollouts), "--sft_lr", str(b.lr), "--sft_batch", "16",
+                             "--sft_rollouts", str(b.sft_rollouts), "--sft_lr", str(lr), "--sft_batch", "16",
                              "--annotator_max_tokens", "128", "--require_endpoint"]),
         "opid": ("opid.py", ["--analyzer_url", oracle_url, "--analyzer_model", "oracle", "--analyzer_max_tokens",
                              "256", "--max_critical", "5", "--require_endpoint"]),
@@ -793,9 +794,10 @@ def method_flags(method: str, oracle_url: str, b: Budget) -> tuple[str, list[str
 METHODS = ("grpo", "seed", "opid", "grsd")
 
 
-def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, log=print) -> dict:
-    """Run each (name, argv) as `python argv…` (the script in the repository root) with OMP_NUM_THREADS=threads, `parallel` at a time; a job whose run
-    directory holds done.json (written after a clean exit) is skipped. Returns {name: (exit code, seconds)}."""
+def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, on_done=None, log=print) -> dict:
+    """Run each (name, argv) as `python argv…` (the script in the repository root) with OMP_NUM_THREADS=threads,
+    `parallel` at a time; a job whose run directory holds done.json (written after a clean exit) is skipped.
+    on_done(name, out_dir, seconds) is called after each clean exit. Returns {name: (exit code, seconds)}."""
     import subprocess
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
@@ -810,8 +812,8 @@ def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, l
                 continue
             os.makedirs(out_dir, exist_ok=True)
             logf = open(os.path.join(os.path.dirname(out_dir), f"{name}.log"), "w")
-            running[name] = (subprocess.Popen([sys.executable, os.path.join(ROOT, argv[0])] + argv[1:], stdout=logf, stderr=subprocess.STDOUT,
-                                              env=env), time.time(), logf, out_dir, argv)
+            running[name] = (subprocess.Popen([sys.executable, os.path.join(ROOT, argv[0])] + argv[1:], stdout=logf,
+                                              stderr=subprocess.STDOUT, env=env), time.time(), logf, out_dir, argv)
             log(f"[experiment] {name}: started")
         time.sleep(1)
         for name, (proc, t0, logf, out_dir, argv) in list(running.items()):
@@ -821,16 +823,19 @@ def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, l
                 if proc.returncode == 0:  # what a rerun skips
                     with open(os.path.join(out_dir, "done.json"), "w") as f:
                         json.dump({"seconds": done[name][1], "argv": argv}, f)
+                    if on_done:
+                        on_done(name, out_dir, done[name][1])
                 log(f"[experiment] {name}: exit {proc.returncode} after {done[name][1]:.0f} s")
                 del running[name]
     return done
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# 6. Report: curves (mean ± std over seeds) and the table
+# 6. Results (committed under docs/results/) and the report: paired t intervals over seeds, curves
 # ------------------------------------------------------------------------------------------------------------------
 
 SPLIT_KEYS = (("valid_seen", "eval/success"), ("valid_unseen", "eval_unseen/success"))
+PHASES = ("rollout", "analysis", "reflection", "judge", "guidance", "scoring", "teacher", "update", "eval")
 
 
 def read_rows(run_dir: str) -> list[dict]:
@@ -838,22 +843,47 @@ def read_rows(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def curves(root: str, b: Budget) -> dict:
-    """{method: {key: {seed: [(updates done, value)]}}}; update 0 of the eval keys is the backbone's own eval."""
-    out = {}
-    for m in METHODS:
-        for s in b.seeds:
-            run = os.path.join(root, f"{m}-s{s}")
-            if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
-                continue
-            rows = [r for r in read_rows(run) if "update" in r]
-            start = read_rows(os.path.join(root, f"backbone-s{s}"))[-1]
-            for _, key in SPLIT_KEYS:
-                out.setdefault(m, {}).setdefault(key, {})[s] = [(0, start[key])] + [
-                    (r["update"] + 1, r[key]) for r in rows if key in r]
-            for key in ("charts/success_rate", "charts/invalid_action_rate"):
-                out[m].setdefault(key, {})[s] = [(r["update"] + 1, r[key]) for r in rows if key in r]
-    return out
+def run_record(name: str, phase: str, method: str, seed: int, lr: float, run_dir: str, seconds: float) -> dict:
+    """What the report needs of one finished run (a line of runs.jsonl): its evaluations (update 0 = the backbone's
+    own, written by an --eval_only run), its training curve, and its mean seconds per update by phase."""
+    rows = read_rows(run_dir)
+    evals = [{"update": 0 if r.get("eval_only") else r["update"] + 1,
+              **{split: r[key] for split, key in SPLIT_KEYS if key in r}} for r in rows if "eval/success" in r]
+    train = [{"update": r["update"] + 1, "success": r["charts/success_rate"],
+              "invalid": r["charts/invalid_action_rate"]} for r in rows if "charts/success_rate" in r]
+    updates = [r for r in rows if "update" in r and not r.get("eval_only")]
+    time_per = {p: sum(r.get(f"time/{p}", 0.0) for r in updates) / len(updates) for p in PHASES
+                if any(f"time/{p}" in r for r in updates)} if updates else {}
+    return {"name": name, "phase": phase, "method": method, "seed": seed, "lr": lr, "evals": evals, "train": train,
+            "time_per_update": time_per, "seconds": round(seconds, 1)}
+
+
+def append_result(path: str, record: dict) -> None:
+    """Add (or replace, by name) one record of a results JSONL."""
+    records = [r for r in load_results(path) if r["name"] != record["name"]] + [record]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
+
+
+def load_results(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_ci(values: list[float]) -> tuple[float, float | None]:
+    """Mean and the half-width of its two-sided 95 % t interval (None for fewer than 2 values)."""
+    n, mu = len(values), sum(values) / len(values)
+    if n < 2:
+        return mu, None
+    sd = (sum((v - mu) ** 2 for v in values) / (n - 1)) ** 0.5
+    return mu, T975.get(n - 1, 1.96) * sd / n ** 0.5
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -861,69 +891,110 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mu, (sum((v - mu) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5  # sample std over seeds
 
 
-def plot(data: dict, out_png: str):
+def final_eval(record: dict, split: str) -> float | None:
+    last = [e for e in record["evals"] if split in e]
+    return last[-1][split] if last else None
+
+
+def fmt_ci(mu: float, half: float | None, pct: bool = True) -> str:
+    k = 100 if pct else 1
+    return f"{k * mu:+.1f} [{k * (mu - half):+.1f}, {k * (mu + half):+.1f}]" if half is not None else f"{k * mu:+.1f}"
+
+
+def comparison_table(records: list[dict]) -> str:
+    """Final runs: per method, final success on both splits (mean ± sd over seeds), the gain over the backbone and the
+    difference to GRPO, both paired by seed with their 95 % t intervals (points), and minutes per run."""
+    final = [r for r in records if r["phase"] == "final"]
+    base = {r["seed"]: r for r in final if r["method"] == "backbone"}
+    grpo = {r["seed"]: r for r in final if r["method"] == "grpo"}
+    head = ["method", "seeds", "valid_seen final", "gain over backbone (95 % CI)", "− GRPO, paired (95 % CI)",
+            "valid_unseen final", "unseen gain over backbone", "unseen − GRPO", "min/run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in ("backbone",) + METHODS:
+        runs = sorted((r for r in final if r["method"] == m), key=lambda r: r["seed"])
+        if not runs:
+            continue
+        cells = [m, str(len(runs))]
+        for split in ("valid_seen", "valid_unseen"):
+            vals = [final_eval(r, split) for r in runs]
+            mu, sd = mean_std(vals)
+            gain = [v - final_eval(base[r["seed"]], split) for r, v in zip(runs, vals) if r["seed"] in base]
+            diff = [v - final_eval(grpo[r["seed"]], split) for r, v in zip(runs, vals) if r["seed"] in grpo]
+            cells += [f"{100 * mu:.1f} ± {100 * sd:.1f} %", fmt_ci(*mean_ci(gain)) if gain and m != "backbone" else "–",
+                      fmt_ci(*mean_ci(diff)) if diff and m not in ("backbone", "grpo") else "–"]
+        cells.append(f"{sum(r['seconds'] for r in runs) / len(runs) / 60:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def dev_table(records: list[dict]) -> str:
+    """The lr probes (GRPO on the dev layouts): final valid_seen success per lr and its gain over the backbone."""
+    dev = [r for r in records if r["phase"] == "dev"]
+    base = {r["seed"]: final_eval(r, "valid_seen") for r in dev if r["method"] == "backbone"}
+    lines = ["| lr | seeds | dev valid_seen final | gain over backbone |", "|---|---|---|---|"]
+    for lr in sorted({r["lr"] for r in dev if r["method"] == "grpo"}):
+        runs = [r for r in dev if r["method"] == "grpo" and r["lr"] == lr]
+        vals = [final_eval(r, "valid_seen") for r in runs]
+        gain = [v - base[r["seed"]] for r, v in zip(runs, vals) if r["seed"] in base]
+        lines.append(f"| {lr:g} | {len(runs)} | {100 * mean_std(vals)[0]:.1f} % | "
+                     f"{fmt_ci(*mean_ci(gain)) if gain else '–'} |")
+    return "\n".join(lines)
+
+
+def best_dev_lr(records: list[dict]) -> float | None:
+    """The lr whose GRPO runs end highest on the dev layouts (mean final valid_seen), None before any probe."""
+    dev = [r for r in records if r["phase"] == "dev" and r["method"] == "grpo"]
+    lrs = sorted({r["lr"] for r in dev})
+    score = {lr: mean_std([final_eval(r, "valid_seen") for r in dev if r["lr"] == lr])[0] for lr in lrs}
+    return max(lrs, key=lambda lr: (score[lr], -lr)) if lrs else None
+
+
+def plot(records: list[dict], out_png: str):
+    """valid_seen / valid_unseen success per update (update 0: the backbone) and training success, mean ± std."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    keys = [("eval/success", "valid_seen success"), ("eval_unseen/success", "valid_unseen success"),
-            ("charts/success_rate", "training success rate"), ("charts/invalid_action_rate", "training invalid-action rate")]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (key, title) in zip(axes.flat, keys):
-        for m, per in data.items():
-            runs = list(per.get(key, {}).values())
+    final = [r for r in records if r["phase"] == "final"]
+    base = {r["seed"]: r["evals"][-1] for r in final if r["method"] == "backbone"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, split in zip(axes[:2], ("valid_seen", "valid_unseen")):
+        for m in METHODS:
+            runs = [r for r in final if r["method"] == m and r["seed"] in base]
             if not runs:
                 continue
-            xs = sorted(set.intersection(*[{x for x, _ in r} for r in runs]))
-            stats = [mean_std([dict(r)[x] for r in runs]) for x in xs]
-            mu = [s[0] for s in stats]
-            ax.plot(xs, mu, marker="o" if key.startswith("eval") else None, ms=3, label=f"{m} ({len(runs)} seeds)")
-            ax.fill_between(xs, [a - s for a, s in stats], [a + s for a, s in stats], alpha=0.15)
-        ax.set(title=title + " (mean ± std over seeds)", xlabel="updates done")
+            curves = [{0: base[r["seed"]][split], **{e["update"]: e[split] for e in r["evals"]}} for r in runs]
+            xs = sorted(set.intersection(*[set(c) for c in curves]))
+            stats = [mean_std([c[x] for c in curves]) for x in xs]
+            ax.plot(xs, [100 * a for a, _ in stats], marker="o", ms=3, label=f"{m} ({len(runs)} seeds)")
+            ax.fill_between(xs, [100 * (a - s) for a, s in stats], [100 * (a + s) for a, s in stats], alpha=0.15)
+        ax.set(title=f"{split} success % (mean ± std over seeds)", xlabel="updates done")
+    for m in METHODS:
+        runs = [r for r in final if r["method"] == m]
+        if runs:
+            xs = sorted(set.intersection(*[{t["update"] for t in r["train"]} for r in runs]))
+            ax = axes[2]
+            ax.plot(xs, [100 * mean_std([next(t["success"] for t in r["train"] if t["update"] == x) for r in runs])[0]
+                         for x in xs], label=m)
+    axes[2].set(title="training success % (mean over seeds)", xlabel="update")
+    for ax in axes:
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
 
 
-def table(root: str, data: dict, b: Budget) -> str:
-    """Per method: start / final / best eval success on both splits (mean ± std over seeds), the final valid_seen
-    difference to GRPO paired by seed (same eval tasks), and mean seconds per update by phase and per run
-    (time/teacher is a part of time/update in SEED, whose current θ scores the teacher in every micro-batch, and a
-    phase of its own in OPID and GRSD)."""
-    fmt = lambda v: f"{v[0]:.3f} ± {v[1]:.3f}"  # noqa: E731
-    phases = ["rollout", "analysis", "reflection", "judge", "guidance", "scoring", "teacher", "update", "eval"]
-    head = ["method", "seeds"] + [f"{sp} {w}" for sp, _ in SPLIT_KEYS for w in ("start", "final", "best")] + [
-        "final valid_seen − GRPO (paired)"] + [f"s/update {p}" for p in phases] + ["s/update total", "min/run"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    grpo_final = {s: c[-1][1] for s, c in data.get("grpo", {}).get("eval/success", {}).items()}
-    for m, per in data.items():
-        seeds = sorted(per["eval/success"])
-        cells = [m, str(len(seeds))]
-        for _, key in SPLIT_KEYS:
-            runs = [per[key][s] for s in seeds]
-            cells += [fmt(mean_std([r[0][1] for r in runs])), fmt(mean_std([r[-1][1] for r in runs])),
-                      fmt(mean_std([max(v for _, v in r[1:]) if r[1:] else float("nan") for r in runs]))]
-        diffs = [per["eval/success"][s][-1][1] - grpo_final[s] for s in seeds if s in grpo_final]
-        cells.append("–" if m == "grpo" or not diffs else f"{mean_std(diffs)[0]:+.3f} ± {mean_std(diffs)[1]:.3f}")
-        rows = [r for s in seeds for r in read_rows(os.path.join(root, f"{m}-s{s}")) if "update" in r]
-        for p in phases + ["total"]:
-            vals = [r[f"time/{p}"] for r in rows if f"time/{p}" in r]
-            cells.append(f"{sum(vals) / len(rows):.1f}" if vals else "–")  # amortised: eval runs every k updates
-        secs = [json.load(open(os.path.join(root, f"{m}-s{s}", "done.json")))["seconds"] for s in seeds
-                if os.path.isfile(os.path.join(root, f"{m}-s{s}", "done.json"))]
-        cells.append(f"{sum(secs) / len(secs) / 60:.1f}" if secs else "–")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def report(root: str, b: Budget, log=print) -> str:
-    data = curves(root, b)
-    plot(data, os.path.join(root, "curves.png"))
-    text = table(root, data, b)
-    with open(os.path.join(root, "table.md"), "w") as f:
-        f.write(text + "\n")
+def report(results_dir: str, log=print) -> str:
+    """table.md (dev probes + comparison) and curves.png in results_dir, from its runs.jsonl alone."""
+    records = load_results(os.path.join(results_dir, "runs.jsonl"))
+    text = "## Comparison (final runs)\n\n" + comparison_table(records) + "\n\n## lr probes (GRPO, dev layouts)\n\n" \
+        + dev_table(records) + "\n"
+    with open(os.path.join(results_dir, "table.md"), "w") as f:
+        f.write(text)
+    if any(r["phase"] == "final" and r["method"] != "backbone" for r in records):
+        plot(records, os.path.join(results_dir, "curves.png"))
     log(text)
-    log(f"[experiment] wrote {root}/curves.png and {root}/table.md")
+    log(f"[experiment] wrote {results_dir}/table.md")
     return text
 
 
@@ -935,34 +1006,32 @@ RESULTS = os.path.join(ROOT, "docs", "results")  # committed: what `report` rebu
 
 
 def run_mechanism(a, b: Budget, backbone: str, cfg: dict) -> dict:
-    """Rollouts of the backbone (the untrained tiny model under --smoke) on layout seed mechanism.MECH_SEED, the oracle
+    """Rollouts of the backbone on layout seed mechanism.MECH_SEED, the oracle
     over HTTP, every (method, source): writes <out>/mechanism.json and .md (and docs/results/ unless --smoke)."""
     import torch
     from transformers import AutoModelForCausalLM
     import mechanism as M
     import models
     torch.set_num_threads(a.threads)
-    if a.smoke:
-        tok = models.load_tokenizer("tiny")
-        policy = models.load_model("tiny", 0)
-    else:
-        if not os.path.isfile(os.path.join(backbone, "config.json")):
-            raise SystemExit(f"no backbone at {backbone}: run `python tools/experiment.py backbone` first")
-        tok, policy = models.load_tokenizer(backbone), AutoModelForCausalLM.from_pretrained(backbone)
+    tok, policy = models.load_tokenizer(backbone), AutoModelForCausalLM.from_pretrained(backbone)
     oracle = Oracle((M.MECH_SEED,), room=b.room)
     server = serve_oracle(oracle)
     models.init_distributed(0)  # a 1-rank group: common.score sums its micro-batch counts across ranks
     try:
-        result = M.measure(policy.eval(), tok, cfg["mech_tasks"], cfg["mech_group"], b.max_steps, b.room,
-                           f"http://127.0.0.1:{server.server_address[1]}/v1", os.path.join(ROOT, "skills",
-                                                                                          "alfworld.jsonl"),
+        t0 = time.time()
+        trajs = M.rollouts(policy.eval(), tok, cfg["mech_tasks"], cfg["mech_group"], b.max_steps, b.room,
                            max_prompt=b.max_prompt_len, max_response=b.max_response_len)
+        labels = M.label_turns(trajs, M.mech_env(b.room, b.max_steps))
+        result = M.measure(policy, tok, trajs, labels, b.room, f"http://127.0.0.1:{server.server_address[1]}/v1",
+                           os.path.join(ROOT, "skills", "alfworld.jsonl"), b.max_prompt_len, b.max_response_len)
+        result["rollouts"].update(tasks=cfg["mech_tasks"], group=cfg["mech_group"], max_steps=b.max_steps,
+                                  seconds=time.time() - t0)
     finally:
         server.shutdown()
         models.shutdown()
     result["gate"], result["oracle_stats"] = M.gate(result), dict(oracle.stats)
-    result["backbone"] = "tiny (untrained, --smoke)" if a.smoke else backbone
-    dirs = [a.out] + ([] if a.smoke else [RESULTS])
+    result["backbone"] = backbone
+    dirs = [a.out, os.path.join(a.out, "results") if a.smoke else RESULTS]
     for folder in dirs:
         os.makedirs(folder, exist_ok=True)
         M.write(result, os.path.join(folder, "mechanism.json"))
@@ -974,74 +1043,147 @@ def run_mechanism(a, b: Budget, backbone: str, cfg: dict) -> dict:
     return result
 
 
+def run_hints(a, b: Budget, backbone: str, cfg: dict) -> dict:
+    """hint_gain on the backbone over the runs' layout seeds: <out>/hints.json (and docs/results/ unless --smoke)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    import models
+    torch.set_num_threads(a.threads)
+    tok, policy = models.load_tokenizer(backbone), AutoModelForCausalLM.from_pretrained(backbone)
+    result = {"layout_seeds": list(b.seeds), "tasks_per_seed": cfg["hint_tasks"], "room": b.room,
+              "styles": hint_gain(policy.eval(), tok, b, b.seeds, cfg["hint_tasks"])}
+    for folder in [a.out, os.path.join(a.out, "results") if a.smoke else RESULTS]:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hints.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def hint_gain(policy, tok, b: Budget, layout_seeds: tuple, n_tasks: int, styles=("none",) + HINT_STYLES,
+              log=print) -> dict:
+    """Part 2's check: valid_seen success (T 0.4, the runs' eval) without a hint and with a true hint in each method's
+    format in every prompt (hinted_prompt: SEED's skill, OPID's episode or step skill, GRSD's guidance, all written
+    from the privileged expert's clean episode of the same task). {style: {"success", "episodes"}}, pooled over
+    layout seeds; the sampling stream is the same for every style."""
+    import torch
+    import common as C
+    import models
+    engine, out = models.HFEngine(policy, tok, torch.device("cpu")), {}
+    for style in styles:
+        wins, n, t0 = 0, 0, time.time()
+        for ls in layout_seeds:
+            make = lambda: envs.HouseholdEnv("valid_seen", seed=ls, max_steps=b.max_steps, room=b.room)  # noqa: E731
+            ids, oracle_env = make().task_ids()[:n_tasks], envs.HouseholdEnv("valid_seen", seed=ls, room=b.room)
+            ok = {}
+            for tid in ids:  # the privileged expert's clean episode: what every hint is about
+                _, acts = play(oracle_env, tid, 0.0, random.Random(0), invalid=0.0, hinted=True)
+                ok[tid] = replay(oracle_env, tid, acts)[0]
+            context = None if style == "none" else (
+                lambda env: hinted_prompt(env.prompt(), style, ok[env.task_id], None, env.expert_action()))
+            torch.manual_seed(ls)
+            trajs, _ = C.collect(engine, make, ids, 1, b.max_prompt_len, b.max_response_len, 0.4, 1.0, context)
+            wins, n = wins + sum(t.won for t in trajs), n + len(trajs)
+        out[style] = {"success": wins / n, "episodes": n}
+        log(f"[hints] {style}: valid_seen success {wins / n:.3f} over {n} episodes ({time.time() - t0:.0f} s)")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------------------------
 
 SMOKE = dict(budget=Budget(updates=1, tasks_per_update=2, group_size=2, max_steps=4, eval_every=1, eval_tasks=4,
-                           sft_tasks=2, sft_rollouts=2, seeds=(0,)), bc_steps=4, checks=(2, 4), decay_from=2,
-             bc_tasks=4, select_tasks=4, mech_tasks=2, mech_group=2)  # its checks are judged on 4 tasks
+                           sft_tasks=2, sft_rollouts=2, seeds=(0,), dev_seeds=(100,), dev_lrs=(1e-4,)),
+             bc_steps=4, checks=(2, 4), decay_from=2, bc_tasks=4, select_tasks=4,  # its checks are judged on 4 tasks
+             mech_tasks=2, mech_group=2, hint_tasks=2)
 FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 1250, 1500, 1750, 2000, 2250, 2500, 2750,
                                                    3000), decay_from=1500, bc_tasks=200,
-            select_tasks=60, mech_tasks=64, mech_group=4)
+            select_tasks=60, mech_tasks=64, mech_group=4, hint_tasks=24)
+COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "report")
+
+
+def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float | None = None) -> None:
+    """dev: the backbone's eval and GRPO at every lr of b.dev_lrs on the dev layouts; runs: the backbone's eval and
+    the four methods on the final layouts at `lr`. Each finished run goes to results/runs.jsonl at once."""
+    seeds = b.dev_seeds if phase == "dev" else b.seeds
+    oracle = Oracle(seeds, room=b.room)
+    server = serve_oracle(oracle)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    jobs, meta = [], {}
+    for s in seeds:  # the backbone's own score (update 0 of every curve)
+        name = f"backbone-{phase}-s{s}" if phase == "dev" else f"backbone-s{s}"
+        jobs.append((name, ["seed.py", "--eval_only"] + shared_flags(b, backbone, s, os.path.join(a.out, name), b.lr)))
+        meta[name] = ("backbone", s, 0.0)
+    for s in seeds:
+        for m, run_lr in ([("grpo", x) for x in b.dev_lrs] if phase == "dev" else [(m, lr) for m in METHODS]):
+            name = f"grpo-dev-lr{run_lr:g}-s{s}" if phase == "dev" else f"{m}-s{s}"
+            script, extra = method_flags(m, url, b, run_lr)
+            jobs.append((name, [script] + shared_flags(b, backbone, s, os.path.join(a.out, name), run_lr) + extra))
+            meta[name] = (m, s, run_lr)
+    have = {r["name"] for r in load_results(os.path.join(results, "runs.jsonl"))}
+
+    def on_done(name, out_dir, seconds):
+        append_result(os.path.join(results, "runs.jsonl"), run_record(name, phase, *meta[name], out_dir, seconds))
+
+    for name, argv in jobs:  # a run finished in an earlier sitting whose record is missing: record it now
+        out_dir = argv[argv.index("--out_dir") + 1]
+        if name not in have and os.path.isfile(os.path.join(out_dir, "done.json")):
+            on_done(name, out_dir, json.load(open(os.path.join(out_dir, "done.json")))["seconds"])
+    t0 = time.time()
+    done = launch_all(jobs, a.parallel, a.threads, on_done)
+    print(f"[experiment] {phase}: {len(done)} jobs in {(time.time() - t0) / 60:.1f} min; oracle "
+          f"{dict(sorted(oracle.stats.items()))}")
+    server.shutdown()
+    with open(os.path.join(a.out, f"oracle_stats_{phase}.json"), "w") as f:  # this invocation's requests
+        json.dump(dict(oracle.stats), f)
+    failed = [n for n, (rc, _) in done.items() if rc != 0]
+    if failed:
+        raise SystemExit(f"[experiment] failed: {failed} (see {a.out}/<name>.log)")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cmd", nargs="?", default="all", choices=("all", "backbone", "oracle", "mechanism", "report"))
+    p.add_argument("cmd", nargs="?", default="all", choices=COMMANDS)
     p.add_argument("--out", default=OUT, help=f"experiment folder [default: {OUT}]")
-    p.add_argument("--smoke", action="store_true", help="1 update, 1 seed, a 4-step warm start (the test)")
+    p.add_argument("--smoke", action="store_true", help="1 update, 1 seed, a 4-step warm start (the test); its results "
+                   "go to <out>/results instead of docs/results")
+    p.add_argument("--lr", type=float, default=None, help="lr of the final runs [default: the dev probes' best]")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time [default: 1]")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per run [default: 2: one run on both cores "
-                   "evaluates in ~120 s, two runs on one core each in 335-383 s]")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per run [default: 2]")
     p.add_argument("--port", type=int, default=8000, help="oracle port for `oracle` [default: 8000]")
     a = p.parse_args(argv)
     cfg = SMOKE if a.smoke else FULL
     b, backbone = cfg["budget"], os.path.join(a.out, "backbone")
+    results = os.path.join(a.out, "results") if a.smoke else RESULTS
     os.makedirs(a.out, exist_ok=True)
+    os.makedirs(results, exist_ok=True)
     if a.cmd == "oracle":
-        server = serve_oracle(Oracle(b.seeds, room=b.room), port=a.port)
+        server = serve_oracle(Oracle(b.seeds + b.dev_seeds, room=b.room), port=a.port)
         print(f"oracle on http://127.0.0.1:{server.server_address[1]}/v1 (GET /stats); Ctrl-C stops it")
         threading.Event().wait()
     if a.cmd == "report":
-        return report(a.out, b)
-    if a.cmd == "mechanism":
-        return run_mechanism(a, b, backbone, cfg)
-    if not os.path.isfile(os.path.join(backbone, "warm_start.json")):
+        return report(results)
+    if a.cmd in ("all", "backbone") and not os.path.isfile(os.path.join(backbone, "warm_start.json")):
         import torch
         torch.set_num_threads(a.threads * a.parallel)
         os.makedirs(backbone, exist_ok=True)
         warm_start(backbone, cfg["bc_steps"], cfg["checks"], b.max_steps, n_tasks=cfg["bc_tasks"],
                    decay_from=cfg["decay_from"], select_tasks=cfg["select_tasks"], room=b.room)
-    if a.cmd == "backbone":
-        return
-    oracle = Oracle(b.seeds, room=b.room)
-    server = serve_oracle(oracle)
-    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    jobs = []
-    for s in b.seeds:  # the backbone's own score (update 0 of every curve)
-        flags = shared_flags(b, backbone, s, os.path.join(a.out, f"backbone-s{s}"))
-        jobs.append((f"backbone-s{s}", ["seed.py", "--eval_only"] + flags))
-    for s in b.seeds:
-        for m in METHODS:
-            script, extra = method_flags(m, url, b)
-            jobs.append((f"{m}-s{s}", [script] + shared_flags(b, backbone, s, os.path.join(a.out, f"{m}-s{s}")) + extra))
-    t0 = time.time()
-    done = launch_all(jobs, a.parallel, a.threads)
-    print(f"[experiment] {len(done)} jobs in {(time.time() - t0) / 60:.1f} min; oracle {dict(sorted(oracle.stats.items()))}")
-    stats_file, stats = os.path.join(a.out, "oracle_stats.json"), dict(oracle.stats)
-    if os.path.isfile(stats_file):  # a rerun adds to the counts of the runs it skipped
-        with open(stats_file) as f:
-            for k, v in json.load(f).items():
-                stats[k] = stats.get(k, 0) + v
-    with open(stats_file, "w") as f:
-        json.dump(stats, f)
-    server.shutdown()
-    failed = [n for n, (rc, _) in done.items() if rc != 0]
-    if failed:
-        raise SystemExit(f"[experiment] failed: {failed} (see {a.out}/<name>.log)")
-    report(a.out, b)
+    if not os.path.isfile(os.path.join(backbone, "config.json")):
+        raise SystemExit(f"no backbone at {backbone}: run `python tools/experiment.py backbone` first")
+    if a.cmd in ("all", "mechanism"):
+        run_mechanism(a, b, backbone, cfg)
+    if a.cmd in ("all", "hints"):
+        run_hints(a, b, backbone, cfg)
+    if a.cmd in ("all", "dev"):
+        run_jobs(a, b, backbone, "dev", results)
+    if a.cmd in ("all", "runs"):
+        lr = a.lr or best_dev_lr(load_results(os.path.join(results, "runs.jsonl"))) or b.lr
+        print(f"[experiment] final runs at lr {lr:g}")
+        run_jobs(a, b, backbone, "final", results, lr)
+    if a.cmd in ("all", "runs", "dev"):
+        report(results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The papers' mechanism, measured directly and without training: does the skill signal credit the right turns?
 
-  python tools/experiment.py mechanism             # on the backbone (runs/experiment/backbone): the table in docs/
-  python tools/experiment.py mechanism --smoke     # 2 tasks x 2 rollouts of the untrained tiny model (the test)
+  python tools/experiment.py mechanism    # on runs/experiment/backbone -> docs/results/mechanism.{json,md}
+  (python tools/experiment.py --smoke runs it on 2 tasks x 2 rollouts of a 4-step backbone; test_mechanism.py checks
+  the measures by hand and one measurement on scripted trajectories against an independent recomputation)
 
 A fixed batch of backbone rollouts on household train tasks (layout seed MECH_SEED, which no run trains or evaluates
 on) is labelled turn by turn with the env's privileged ground truth (HouseholdEnv.turn_is_good: a good turn keeps
@@ -244,27 +245,39 @@ def summarize(turn_rows: list[dict], method: str) -> dict:
     return out
 
 
-def measure(policy, tok, n_tasks: int, group: int, max_steps: int, room: str, oracle_url: str | None,
-            library_path: str, seed: int = 0, max_prompt: int = 1024, max_response: int = 80, micro_batch: int = 16,
-            rows=ROWS, log=print) -> dict:
-    """Rollouts, labels, then every (method, source) of `rows`: {"rows": [...], "rollouts": {...}}."""
+def mech_env(room: str, max_steps: int):
+    """The factory of the measured rollouts' envs: household train tasks of layout seed MECH_SEED."""
+    return lambda: envs.HouseholdEnv("train", seed=MECH_SEED, max_steps=max_steps, room=room)
+
+
+def rollouts(policy, tok, n_tasks: int, group: int, max_steps: int, room: str, seed: int = 0, max_prompt: int = 1024,
+             max_response: int = 80, log=print):
+    """The fixed batch: `group` rollouts of each of the first n_tasks tasks at the training temperature (1.0)."""
+    import torch
+    import common as C
+    import models
+    t0, make = time.time(), mech_env(room, max_steps)
+    engine = models.HFEngine(policy, tok, torch.device("cpu"))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    trajs, _ = C.collect(engine, make, make().task_ids()[:n_tasks], group, max_prompt, max_response, 1.0, 1.0)
+    log(f"[mechanism] {len(trajs)} rollouts, success {sum(t.won for t in trajs) / len(trajs):.3f} "
+        f"({time.time() - t0:.0f} s)")
+    return trajs
+
+
+def measure(policy, tok, trajs, labels, room: str, oracle_url: str | None, library_path: str, max_prompt: int = 1024,
+            max_response: int = 80, micro_batch: int = 16, rows=ROWS, keep_turns: bool = False, log=print) -> dict:
+    """Every (method, source) of `rows` on labelled trajectories: {"rows": [...], "rollouts": {...}}; keep_turns adds
+    each row's per-turn records (traj, won, good, credit, delta, ...)."""
     import torch
     import baselines
     import common as C
     import models
     import seed as S
     t0 = time.time()
-    make = lambda: envs.HouseholdEnv("train", seed=MECH_SEED, max_steps=max_steps, room=room)  # noqa: E731
     replay_env = envs.HouseholdEnv("train", seed=MECH_SEED, max_steps=10_000, room=room)
     engine = models.HFEngine(policy, tok, torch.device("cpu"))
-    torch.manual_seed(seed)
-    random.seed(seed)
-    ids = make().task_ids()[:n_tasks]
-    trajs, _ = C.collect(engine, make, ids, group, max_prompt, max_response, 1.0, 1.0)  # the training temperature
-    labels = label_turns(trajs, make)
-    t_roll = time.time() - t0
-    log(f"[mechanism] {len(trajs)} rollouts, {sum(map(len, labels))} turns "
-        f"({sum(map(sum, labels))} good), success {sum(t.won for t in trajs) / len(trajs):.3f} ({t_roll:.0f} s)")
     P = [t.prompt_ids for tr in trajs for t in tr.turns]
     R = [t.response_ids for tr in trajs for t in tr.turns]
     old = C.score(policy, P, R, micro_batch, torch.device("cpu"), micro_batch * (max_prompt + max_response))
@@ -295,23 +308,23 @@ def measure(policy, tok, n_tasks: int, group: int, max_steps: int, room: str, or
         turn_rows = []
         for (traj, won, good), o, t, c, k in zip(meta, old, tea, credit, starts):
             d = (t - o) if t is not None else None
-            turn_rows.append({"traj": traj, "won": won, "good": good, "credit": c.mean().item() if len(c) else 0.0,
-                              "delta": d.mean().item() if d is not None and len(d) else None,
+            turn_rows.append({"traj": traj, "won": won, "good": good,  # means in float64: a constant stays exact
+                              "credit": c.double().mean().item() if len(c) else 0.0,
+                              "delta": d.double().mean().item() if d is not None and len(d) else None,
                               "d_act": d[k:].sum().item() if d is not None else 0.0, "n_act": len(o) - k,
                               "d_think": d[:k].sum().item() if d is not None else 0.0, "n_think": k})
         row = {"method": method, "source": source, **summarize(turn_rows, method), "info": dict(info),
-               "seconds": time.time() - t1}
+               "seconds": time.time() - t1, **({"turn_rows": turn_rows} if keep_turns else {})}
         out_rows.append(row)
         log(f"[mechanism] {method}/{source}: Δ-AUC {_f(row['delta_auc'])} credit-AUC failed "
             f"{_f(row['credit_auc_failed'])} successful {_f(row['credit_auc_successful'])} sign "
             f"{_f(row['sign_agreement'])} coverage {row['coverage']:.2f} ({row['seconds']:.0f} s)")
     n = len(trajs)
     return {"rows": out_rows, "rollouts": {
-        "tasks": n_tasks, "group": group, "layout_seed": MECH_SEED, "room": room, "max_steps": max_steps,
-        "trajectories": n, "success": sum(t.won for t in trajs) / n, "turns": len(meta),
-        "good_turns": sum(g for _, _, g in meta), "mixed_groups": sum(
-            len({t.won for t in trajs if t.group == g}) == 2 for g in {t.group for t in trajs}),
-        "seconds_rollout": t_roll, "seconds": time.time() - t0}}
+        "layout_seed": MECH_SEED, "room": room, "trajectories": n, "groups": len({t.group for t in trajs}),
+        "success": sum(t.won for t in trajs) / n, "turns": len(meta), "good_turns": sum(g for _, _, g in meta),
+        "mixed_groups": sum(len({t.won for t in trajs if t.group == g}) == 2 for g in {t.group for t in trajs}),
+        "seconds_scoring": time.time() - t0}}
 
 
 def _f(v) -> str:
