@@ -1,11 +1,17 @@
-"""Learning evidence in miniature (household env, 2 CPU cores): a warm-started backbone, GRPO, and SEED / OPID / GRSD
-against it at the same rollout budget, 3 seeds each. docs/experiment.md shows what this printed.
+"""Learning evidence in miniature (household env, small room, 2 CPU cores): the papers' mechanism measured on a
+warm-started backbone, then GRPO and SEED / OPID / GRSD against it at the same rollout budget, 5 seeds each, with
+the learning rate chosen on development layouts. docs/experiment.md is the write-up; docs/results/ holds what the
+report is made from.
 
-  python tools/experiment.py                       # all of it: backbone, oracle, 12 runs + 3 backbone evals, report
-  python tools/experiment.py backbone              # 1. the warm start only -> runs/experiment/backbone (HF checkpoint)
+  python tools/experiment.py                 # all of it, in this order (each step resumes / skips what is done):
+  python tools/experiment.py backbone        # 1. the warm start -> runs/experiment/backbone (HF checkpoint)
+  python tools/experiment.py mechanism       # 5. per-turn credit vs ground truth -> docs/results/mechanism.{json,md}
+  python tools/experiment.py hints           #    success with / without a true hint -> docs/results/hints.json
+  python tools/experiment.py dev             # 3a. GRPO lr probes on the dev layouts (seeds 100-101)
+  python tools/experiment.py runs            # 3b. backbone evals + 4 methods x 5 seeds at the dev probes' best lr
+  python tools/experiment.py report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
   python tools/experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
-  python tools/experiment.py report                # 4. curves.png + table.md from the finished runs
-  python tools/experiment.py --smoke               # a 1-update version of everything (what test_experiment.py runs)
+  python tools/experiment.py --smoke         # a 1-update version of everything into <out>/results (test_experiment.py)
 
 1. Backbone: a stand-in for an instruction-tuned LLM. A 4-layer Qwen2-style model (hidden 256, 3.5 M parameters)
    with a byte-level BPE trained on household text (Qwen2's pre-tokenizer), behaviour-cloned on train tasks only
@@ -25,9 +31,13 @@ against it at the same rollout budget, 3 seeds each. docs/experiment.md shows wh
    it cannot replay gets a generic text from the task alone (counted in /stats).
 3. Runs: GRPO (seed.py --skip_sft --lambda_opd 0), SEED (both stages; the oracle annotates stage 1, the policy
    analyzes in stage 2), OPID (oracle analyzer), GRSD (policy reflections, oracle judge); the same env, tasks per
-   update, group size, updates, learning rate, KL and seeds; eval on valid_seen and valid_unseen (60 tasks each).
-4. Report: curves (mean ± std over seeds per method) and a table (start / final / best eval success, seconds per
-   update by phase).
+   update, group size, updates, learning rate, KL and seeds; eval on valid_seen and valid_unseen (120 tasks each).
+   The lr is the best of GRPO probes on layout seeds 100-101 (dev), which the final runs (seeds 0-4) never see.
+   Every finished run is recorded at once in docs/results/runs.jsonl (its evals, training curve, seconds).
+4. Report: from runs.jsonl alone, a table of final success, the gain over the backbone and the difference to GRPO,
+   both paired by seed with 95 % t intervals over seeds, and curves (mean ± std over seeds).
+5. Mechanism (tools/mechanism.py): every method's per-turn credit on a fixed batch of backbone rollouts (layout
+   seed 7) against the privileged per-turn ground truth, per skill source (oracle, the policy itself, a library).
 
 Deviations / choices:
   * The oracle's skills name receptacles and objects with their numbers ("the mug 1 was on the countertop 2"):
@@ -37,9 +47,10 @@ Deviations / choices:
     search_action instead; the privileged expert labels only prompts whose hint tells it what it knows.
   * The warm-start responses spell out the facts their action rests on (reasoned_response); the method runs use
     the env and the methods exactly as they are.
-  * The run budget (Budget) is far below Table 5 (6 updates of 4 tasks x 4 rollouts); the learning rate (1e-4)
-    and KL (1e-3) are chosen for a 3.5 M-parameter model; each method keeps its paper coefficients. The lr comes
-    from three GRPO seed-0 probes (docs/experiment.md): 5e-4 collapsed under both reward rules, 1e-4 did not.
+  * The runs use the small household room (--household_room small, envs.make_household_task): a 3.5 M model does
+    not learn to search a full room (the earlier backbone: 5-10 % valid_seen success, too few wins for GRPO).
+  * The run budget (Budget) is far below Table 5 (10 updates of 8 tasks x 4 rollouts); the learning rate and KL
+    (1e-3) are chosen for a 3.5 M-parameter model; each method keeps its paper coefficients.
   * The runs use --env_rules verl_agent, the reward the papers trained with (verl-agent's ALFWorld: 10 per win,
     -0.1 only for a malformed reply). Under the strict rules (-0.1 for every inadmissible step, 1 per win) GRPO's
     groups are never tied, it mostly learns about inadmissible actions, and it lost the backbone's successes.
@@ -344,18 +355,20 @@ def reasoned_response(env, action: str) -> str:
     """The warm start's response: a <think> that spells out, from what the prompt shows, the facts the action rests
     on (the task, where the agent is, what it sees or holds), then the action. Spelling them out turns "pick the
     right object / place" into copying for a 4-layer model (without it: 0 % of 'take' decisions right after 350
-    steps). The task is restated word for word ("My task is to: put some X on Y."): each word then follows the
+    steps). What it sees is the current observation's list copied word for word ("where I see a mug 1, and a pen
+    2."): naming only the needed object when present taught the clone to claim it saw the object wherever it stood
+    (a small-room backbone at 1,000 steps: 124 of 217 turns an inadmissible "take"). The task is restated word for word ("My task is to: put some X on Y."): each word then follows the
     same words in the prompt's task line, an induction copy; the shorter "The task needs a X." asks for a lookup
     of one token 400 tokens back, which the model never learned (0 of 60 held-out thinks named the right object
     after 550 steps)."""
-    s, parts = env.spec, [f"My task is to: {env.task}"]
+    parts = [f"My task is to: {env.task}"]
     if env.holding:
         parts.append(f"I hold the {env.holding}.")
     if env.loc:
         here = env.loc + (", which is closed" if kind(env.loc) in OPENABLE and env.loc not in env.opened else "")
-        seen = [o for o in env.contents(env.loc) if env.objects.get(o, {}).get("type") == s["otype"]] \
-            if contents_shown(env) else []
-        parts.append(f"I am at the {here}" + (f", where I see the {seen[0]}." if seen else "."))
+        shown = env.observation.split("you see ", 1)[1].rstrip(".") if contents_shown(env) and \
+            "you see " in env.observation else ""  # the current observation's list, word for word
+        parts.append(f"I am at the {here}" + (f", where I see {shown}." if shown else "."))
     parts.append(f"So I will {action}.")
     return f"<think>{' '.join(parts)}</think>\n<action>{action}</action>"
 
