@@ -770,7 +770,7 @@ class Budget:
     env_rules: str = "verl_agent"  # verl-agent's ALFWorld reward: 10 per win, -0.1 only for a malformed reply
     beta_kl: float = 0.001
     minibatch_turns: int = 64  # ~4 optimizer steps per update (the paper's 256 would give 1 here)
-    eval_every: int = 5
+    eval_every: int = 10      # = updates: one evaluation at the end (update 0 is the backbone's own --eval_only run)
     eval_tasks: int = 120     # every held-out task of the small room's split
     max_prompt_len: int = 1024
     max_response_len: int = 80  # the warm-start responses are 44 tokens (median), 62 at most
@@ -778,7 +778,7 @@ class Budget:
     sft_rollouts: int = 4
     seeds: tuple = (0, 1, 2, 3, 4)
     dev_seeds: tuple = (100, 101)      # layouts of the lr probes: never trained or evaluated on by the final runs
-    dev_lrs: tuple = (3e-5, 1e-4, 3e-4)
+    dev_lrs: tuple = (1e-4, 3e-4)
 
 
 def shared_flags(b: Budget, model: str, seed: int, out_dir: str, lr: float) -> list[str]:

@@ -153,7 +153,7 @@ def teacher_samples(method: str, source: str, trajs, engine, tok, sa, oa, ga, or
         info.update({f"route_{k}": v for k, v in routes.items()})
         return samples, info
     # GRSD: reflections s_i, judge scores, m_x and z_x per group (Alg. 1 l.6-16), then the turn samples
-    timer = lambda name: _Null()  # noqa: E731
+    timer = harness.Timer()
     adv = grsd.group_norm(trajs, [tr.reward for tr in trajs], ga.eps_adv)
     if source == "policy":
         refl = grsd.reflect_and_judge(trajs, engine, ga, client("judge"), timer)
@@ -176,20 +176,13 @@ def teacher_samples(method: str, source: str, trajs, engine, tok, sa, oa, ga, or
                                          [f for tr, f in members if not tr.won])
             else:
                 guidance[g] = baselines.retrieve_skill(lib, members[0][0].family)
+    info.update({f"seconds_{k}": round(v, 1) for k, v in timer.s.items()})
     info["reflections"] = sum(r is not None for r in refl[2])
     info["judged"] = sum(s is not None for s in refl[3])
     info["mixed_groups"] = sum(map(bool, mixed.values()))
     info["guided_groups"] = sum(z is not None for z in guidance.values())
     ga.alpha = 0.0  # the reflection samples are not turn credit
     return grsd.build_samples(trajs, adv, refl, guidance, tok, ga)[0], info
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def credits(method: str, samples, old, tea, sa, oa, ga):
