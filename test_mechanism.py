@@ -43,7 +43,13 @@ def test_action_start_splits_think_from_action(tok):
 def test_small_room_layouts():
     full, small = envs.make_household_task("household-train-3", 0), envs.make_household_task("household-train-3", 0,
                                                                                             "small")
-    assert full == envs.make_household_task("household-train-3", 0, "full")  # the full room is unchanged
+    # the full room is what it was before the room option (values read off the earlier envs.py)
+    assert full["receptacles"] == ["cabinet 1", "cabinet 2", "cabinet 3", "coffeemachine 1", "countertop 1",
+                                   "countertop 2", "diningtable 1", "drawer 1", "drawer 2", "fridge 1", "microwave 1",
+                                   "safe 1", "sidetable 1", "sinkbasin 1", "sofa 1", "stoveburner 1", "toaster 1"]
+    assert sorted(full["objects"]) == ["apple 1", "bread 1", "cd 1", "keychain 1", "knife 1", "mug 1", "pan 1",
+                                       "potato 1", "soapbottle 1", "spatula 1", "spatula 2"]
+    assert full["task"] == "heat some apple and put it in cabinet." and small["receptacles"] != full["receptacles"]
     for i in range(60):
         spec = envs.make_household_task(f"household-valid_seen-{i}", 5, "small")
         assert 7 <= len(spec["receptacles"]) <= 10, spec["receptacles"]
@@ -130,3 +136,11 @@ def test_measure_on_scripted_trajectories(tok, d):
     for r, g in zip(grsd_row["turn_rows"], grpo["turn_rows"]):
         assert math.copysign(1, r["credit"]) == math.copysign(1, g["credit"]) and abs(r["credit"] / g["credit"] - 1) <= 0.1 + 1e-6
     assert M.table(res).count("\n") == 4
+
+
+def test_household_room_flag_is_refused_for_other_envs():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "seed.py", "--env", "search", "--household_room", "small"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--household_room is the household env's option" in r.stderr, r.stderr[-500:]
