@@ -1,5 +1,6 @@
 """experiment.py's parts: the oracle endpoint over real HTTP, the warm-start data, and a 1-update smoke run."""
 import json
+from collections import Counter
 import os
 import random
 import re
@@ -168,6 +169,42 @@ def test_warm_start_data_labels_are_admissible_and_hints_true():
                     assert spec["objects"][obj]["loc"] == rec
 
 
+def test_hindsight_hinted_pairs_carry_the_episode_skill_and_the_expert_label():
+    """Stage 2's pairs: one per state of a searcher's episode that saw a needed object (none otherwise), the prompt
+    carrying that episode's own hindsight text in one method's format (OPID's step skill exactly at its critical
+    steps), the response the privileged expert's at that state; the place the skill gives is where the object was."""
+    rng, made, styles = random.Random(0), 0, Counter()
+    for task_id in envs.HouseholdEnv("train", seed=E.DATA_SEEDS[0], room="small").task_ids()[:12]:
+        env = envs.HouseholdEnv("train", seed=E.DATA_SEEDS[0], max_steps=MAX_STEPS, room="small")
+        clean, acts = E.play(env, task_id, 0.0, rng, invalid=0.0, hinted=True)
+        ok = E.replay(env, task_id, acts)[0]
+        states, acts = E.play(env, task_id, 0.6, rng)
+        f = E.replay(env, task_id, acts)[0]
+        pairs = E.hindsight_hinted(states, f, ok, rng)
+        if E.first_target(f) is None:
+            assert pairs == []
+            continue
+        made += 1
+        assert len(pairs) == len(states)
+        critical = E.step_skills(f, 5)
+        spec = envs.make_household_task(task_id, E.DATA_SEEDS[0], room="small")
+        for t, ((kind, user, response), (prompt, _, _, expert)) in enumerate(zip(pairs, states)):
+            assert kind == "act" and response == expert
+            skill = E.seed_skill(f)
+            opid_text = opid.inject_skill(prompt, step=critical[t])[0] if t in critical else \
+                opid.inject_skill(prompt, episode=skill)[0]  # critical-first routing
+            style = {seed.inject_skill(prompt, skill): "seed", opid_text: "opid",
+                     grsd.inject_guidance(prompt, E.guidance(f.task, [f] if f.won else [ok], [] if f.won else [f])):
+                     "grsd"}.get(user)
+            assert style, user
+            styles[style] += 1
+            action, valid = envs.parse_action(response)
+            assert valid and f"'{action}'" in re.search(r"Admissible actions: \[(.*)\]", prompt).group(1)
+            for obj, rec in re.findall(r"the (\w+ \d+) was (?:seen )?at the (\w+ \d+)", user):
+                assert spec["objects"][obj]["loc"] == rec
+    assert made >= 3 and len(styles) == 3, (made, styles)
+
+
 def test_clone_loss_is_the_response_nll_plus_weighted_prompt_nll():
     """Against common.sequence_logprobs (left-padded, the trainer's scorer) and a per-row recomputation."""
     import torch
@@ -226,7 +263,10 @@ def test_experiment_smoke_run(tmp_path):
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
-    assert json.loads((out / "backbone" / "warm_start.json").read_text())["step"] == 4
+    first = json.loads((out / "backbone_clone" / "warm_start.json").read_text())
+    second = json.loads((out / "backbone" / "warm_start.json").read_text())  # stage 2 from stage 1's kept check
+    assert not first["hindsight"] and second["hindsight"] and second["init"].endswith(f"step{first['step']}")
+    assert first["step"] < second["step"] <= first["step"] + 2
     results = out / "results"
     records = {x["name"]: x for x in E.load_results(str(results / "runs.jsonl"))}
     assert set(records) == {"backbone-dev-s100", "grpo-dev-lr0.0001-s100", "backbone-s0"} | {f"{m}-s0" for m in E.METHODS}

@@ -4,7 +4,7 @@ the learning rate chosen on development layouts. docs/experiment.md is the write
 report is made from.
 
   python tools/experiment.py                 # all of it, in this order (each step resumes / skips what is done):
-  python tools/experiment.py backbone        # 1. the warm start -> runs/experiment/backbone (HF checkpoint)
+  python tools/experiment.py backbone        # 1. the warm start, 2 stages -> runs/experiment/backbone (HF checkpoint)
   python tools/experiment.py mechanism       # 5. per-turn credit vs ground truth -> docs/results/mechanism.{json,md}
   python tools/experiment.py hints           #    success with / without a true hint -> docs/results/hints.json
   python tools/experiment.py dev             # 3a. GRPO lr probes on the dev layouts (seeds 100-101)
@@ -20,8 +20,12 @@ report is made from.
    the three methods' skill / guidance formats by the env's privileged expert, which follows the hint; plus SEED
    skills, GRSD reflections and GRSD guidance written from the searcher's trajectories. Each acting response
    restates the task word for word before reasoning (reasoned_response). AdamW, lr 1e-3 flat for 1,500 steps then
-   a cosine to 1e-4 at 3,000 (bc_lr); the warm start stops at the first check with 20-40 % held-out success (else
-   it keeps its best check) and resumes from its last check when run again.
+   a cosine to 1e-4 at 3,000 (bc_lr); stage 1 stops at the first check with 20-40 % held-out success (else it keeps
+   its best check) -> runs/experiment/backbone_clone. Stage 2 (skill reading) continues from there with
+   hindsight-hinted pairs added (hindsight_hinted: the states of the searcher's own noisy episodes, each prompt
+   carrying what an analyzer writes about that episode, labelled by the privileged expert) for at least 750 steps,
+   to the next check with 20-40 % success: without it the skills barely moved the backbone's log-probabilities
+   (oracle Δ-AUC 0.55-0.63, docs/experiment.md). Each stage resumes from its last check when run again.
 2. External models: an ORACLE STAND-IN for the papers' GLM-5.2 / DeepSeek annotator, analyzer and judge. It is an
    OpenAI-compatible HTTP endpoint that parses the trajectory it is sent, finds the task and replays the actions
    in the privileged household env, and writes from the replay: SEED hindsight skills, OPID's JSON (episode skill
@@ -376,12 +380,14 @@ def reasoned_response(env, action: str) -> str:
 def play(env, task_id: str, eps: float, rng: random.Random, invalid: float = 0.05, hinted: bool = False):
     """One episode of a noisy teacher: the label is the privileged expert's action when `hinted` (a true hint is in
     the prompt), else search_action; the action taken is the label, a random admissible action with prob. eps,
-    or an invalid reply with prob. `invalid`. Returns ([(prompt, label, response)] per state, the actions taken)."""
+    or an invalid reply with prob. `invalid`. Returns ([(prompt, label, response, the privileged expert's response)]
+    per state, the actions taken)."""
     env.reset(task_id)
     labelled, actions, searched = [], [], []
     while not env.done:
-        label = env.expert_action() if hinted else search_action(env, searched, rng)
-        labelled.append((env.prompt(), label, reasoned_response(env, label)))
+        expert = env.expert_action()
+        label = expert if hinted else search_action(env, searched, rng)
+        labelled.append((env.prompt(), label, reasoned_response(env, label), reasoned_response(env, expert)))
         u = rng.random()
         action = None if u < invalid else rng.choice(env.admissible()) if u < invalid + eps else label
         env.step(envs.format_expert_response(action, "household") if action else "<think>hmm</think> go")
@@ -422,7 +428,35 @@ def hinted_prompt(prompt: str, style: str, ok: Facts, bad: Facts | None, expert:
 HINT_STYLES = ("seed", "opid_episode", "opid_step", "grsd")
 
 
-def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0, room: str = "full") -> list[tuple[str, str, str]]:
+def hindsight_hinted(states: list, f: Facts, ok: Facts, rng: random.Random, max_critical: int = 5) -> list:
+    """'act' pairs that teach reading a hindsight skill: every state of a searcher's episode, its prompt carrying what
+    an analyzer writes about that same episode (the methods' teacher context: SEED's skill, OPID's step skill at its
+    critical steps and the episode skill elsewhere, GRSD's guidance against the clean episode `ok`), labelled by the
+    privileged expert at that state. Only episodes that showed a needed object: their skill names where it is and
+    the expert goes there, so the skill and the label agree; an episode that never saw one gets "search elsewhere",
+    which the expert's direct route would contradict."""
+    import grsd
+    import opid
+    import seed
+    if first_target(f) is None:
+        return []
+    critical, out = step_skills(f, max_critical), []
+    for t, (prompt, _, _, expert_response) in enumerate(states):
+        style = rng.choice(HINT_STYLES)
+        if style == "seed":
+            text = seed.inject_skill(prompt, seed_skill(f))
+        elif style == "grsd":
+            text = grsd.inject_guidance(prompt, guidance(f.task, [f] if f.won else [ok], [] if f.won else [f]))
+        elif t in critical:  # OPID's critical-first routing: the step skill at a critical step
+            text = opid.inject_skill(prompt, step=critical[t])[0]
+        else:
+            text = opid.inject_skill(prompt, episode=seed_skill(f))[0]
+        out.append(("act", text, expert_response))
+    return out
+
+
+def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0, room: str = "full",
+                    hindsight: bool = True) -> list[tuple[str, str, str]]:
     """(kind, user text, target response) pairs: 'act' (plain or hinted prompt -> expert response), 'skill' (SEED's
     x_τ -> <skill>…</skill>), 'reflect' (GRSD's p_ref -> three points), 'guide' (GRSD's p_guide -> DO / AVOID)."""
     import grsd
@@ -436,11 +470,14 @@ def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0, room: str = "fu
             noisy = [play(env, task_id, eps, rng) for eps in (0.0, 0.3, 0.6)]  # the searcher, then noisier
             facts = [replay(env, task_id, acts)[0] for _, acts in noisy]
             bad = next((f for f in facts if not f.won), None)
-            for prompt, _, response in noisy[0][0] + noisy[1][0]:  # acting without a hint (DAgger-style labels)
+            for prompt, _, response, _ in noisy[0][0] + noisy[1][0]:  # acting without a hint (DAgger-style labels)
                 pairs.append(("act", prompt, response))
             style = rng.choice(HINT_STYLES)
-            for prompt, label, response in clean:  # acting with a true hint: the privileged expert follows it
+            for prompt, label, response, _ in clean:  # acting with a true hint: the privileged expert follows it
                 pairs.append(("act", hinted_prompt(prompt, style, ok, bad, label), response))
+            if hindsight:
+                for (states, _), f in zip(noisy[1:], facts[1:]):  # acting with the hindsight skill of one's own episode
+                    pairs += hindsight_hinted(states, f, ok, rng)
             for f, (_, acts) in zip(facts, noisy):  # analysis texts of the searcher's episodes
                 traj = as_trajectory(env, task_id, acts)
                 if rng.random() < 0.5:
@@ -512,21 +549,28 @@ def bc_lr(step: int, steps: int, decay_from: int) -> float:
 
 def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int = 200, batch: int = 16,
                lr: float = 1e-3, decay_from: int = 1500, seed: int = 0, target: tuple = (0.2, 0.4),
-               prompt_weight: float = 0.5, select_tasks: int = 60, room: str = "full", log=print) -> dict:
+               prompt_weight: float = 0.5, select_tasks: int = 60, room: str = "full", hindsight: bool = False,
+               init: str | None = None, min_step: int = 0, log=print) -> dict:
     """Behaviour cloning (clone_loss: the responses, plus language modelling on the prompts), AdamW at lr x bc_lr.
     At each step in `checks` the weights, tokenizer and training state are saved to out/step<k>/ and the held-out
     success is measured (valid_seen, layout seed SELECT_SEED, `select_tasks` tasks, T 0.4); training stops at the first
-    check inside `target` (that checkpoint is kept), else after `steps` (the best check is kept), and the kept one is
+    check inside `target` at or after min_step (that checkpoint is kept), else after `steps` (the best check is kept;
+    the later on a tie), and the kept one is
     copied to out/. A rerun resumes from the last saved check (a check saved without training state resumes with
-    fresh AdamW moments, and says so)."""
+    fresh AdamW moments, and says so). hindsight: add the hindsight-hinted pairs (hindsight_hinted) to the data.
+    init: a check of an earlier stage (out/step<k>/ with its training state) to continue from, at step k."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import common as C
     import models
     t0 = time.time()
-    pairs = warm_start_data(n_tasks, max_steps, seed, room)
+    pairs = warm_start_data(n_tasks, max_steps, seed, room, hindsight)
     done = [k for k in checks if os.path.isfile(os.path.join(out, f"step{k}", "config.json"))]
     start = max(done, default=0)
+    new_stage = bool(init) and not start
+    if new_stage:  # the earlier stage's check becomes this folder's first
+        start = int(os.path.basename(init.rstrip("/"))[len("step"):])
+        shutil.copytree(init, os.path.join(out, f"step{start}"), dirs_exist_ok=True)
     if start:  # resume: the tokenizer and weights of the last check
         tok = AutoTokenizer.from_pretrained(os.path.join(out, f"step{start}"))
         model = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"step{start}")).train()
@@ -557,7 +601,9 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
             kept = max(prior[::-1], key=lambda h: h["select_success"]) if prior else None
             kept = kept and {"step": kept["step"], "select_success": kept["select_success"]}
             log(f"[backbone] step{start}/ has no training state: resuming with fresh AdamW moments")
-        log(f"[backbone] resumed at step {start}")
+        if new_stage:  # only this stage's checks can be kept
+            kept = None
+        log(f"[backbone] resumed at step {start}" + (f" from {init}" if new_stage else ""))
     kinds, weights = ["act", "skill", "reflect", "guide"], [0.7, 0.12, 0.12, 0.06]
     for step in range(start + 1, steps + 1):
         k = rng.choices(kinds, weights)[0]
@@ -581,7 +627,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
             history[-1]["select_success"] = success
             log(f"[backbone] step {step}: valid_seen success (layout seed {SELECT_SEED}) {success:.3f} "
                 f"({time.time() - t_eval:.0f} s)")
-            in_target = target[0] <= success <= target[1]
+            in_target = target[0] <= success <= target[1] and step >= min_step
             if kept is None or success >= kept["select_success"] or in_target:  # on a tie, the later check
                 kept = {"step": step, "select_success": success}
             path = os.path.join(out, f"step{step}")
@@ -596,7 +642,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
             shutil.copy(os.path.join(out, f"step{kept['step']}", name), out)
     info = {**kept, "history": history, "seconds": time.time() - t0, "pairs": len(pairs), "lr": lr, "batch": batch,
             "decay_from": decay_from, "steps": steps, "prompt_weight": prompt_weight, "resumed_at": start or None,
-            "room": room}
+            "room": room, "hindsight": hindsight, "init": init}
     with open(os.path.join(out, "warm_start.json"), "w") as f:
         json.dump(info, f)
     return info
@@ -1108,10 +1154,12 @@ def hint_gain(policy, tok, b: Budget, layout_seeds: tuple, n_tasks: int, styles=
 SMOKE = dict(budget=Budget(updates=1, tasks_per_update=2, group_size=2, max_steps=4, eval_every=1, eval_tasks=4,
                            sft_tasks=2, sft_rollouts=2, seeds=(0,), dev_seeds=(100,), dev_lrs=(1e-4,)),
              bc_steps=4, checks=(2, 4), decay_from=2, bc_tasks=4, select_tasks=4,  # its checks are judged on 4 tasks
-             mech_tasks=2, mech_group=2, hint_tasks=2)
+             read_checks=(1, 2), read_min=2, mech_tasks=2, mech_group=2, hint_tasks=2)
+# checks: stage 1's; read_checks: stage 2's, after stage 1's kept check, which it leaves no sooner than read_min
 FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 1250, 1500, 1750, 2000, 2250, 2500, 2750,
                                                    3000), decay_from=1500, bc_tasks=200,
-            select_tasks=60, mech_tasks=64, mech_group=4, hint_tasks=24)
+            select_tasks=60, read_checks=(250, 500, 750, 1000, 1250), read_min=750, mech_tasks=64, mech_group=4,
+            hint_tasks=24)
 COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "report")
 
 
@@ -1180,9 +1228,17 @@ def main(argv=None):
     if a.cmd in ("all", "backbone") and not os.path.isfile(os.path.join(backbone, "warm_start.json")):
         import torch
         torch.set_num_threads(a.threads * a.parallel)
+        clone = os.path.join(a.out, "backbone_clone")  # stage 1: cloning, to the first check with 20-40 % success
+        os.makedirs(clone, exist_ok=True)
+        kw = dict(n_tasks=cfg["bc_tasks"], decay_from=cfg["decay_from"], select_tasks=cfg["select_tasks"], room=b.room)
+        done = os.path.isfile(os.path.join(clone, "warm_start.json"))
+        first = json.load(open(os.path.join(clone, "warm_start.json"))) if done else \
+            warm_start(clone, cfg["bc_steps"], cfg["checks"], b.max_steps, **kw)
+        # stage 2: the hindsight-hinted pairs join the data, to the next check with 20-40 % success (hindsight_hinted)
         os.makedirs(backbone, exist_ok=True)
-        warm_start(backbone, cfg["bc_steps"], cfg["checks"], b.max_steps, n_tasks=cfg["bc_tasks"],
-                   decay_from=cfg["decay_from"], select_tasks=cfg["select_tasks"], room=b.room)
+        checks = (first["step"],) + tuple(first["step"] + k for k in cfg["read_checks"])
+        warm_start(backbone, checks[-1], checks, b.max_steps, hindsight=True,
+                   init=os.path.join(clone, f"step{first['step']}"), min_step=first["step"] + cfg["read_min"], **kw)
     if not os.path.isfile(os.path.join(backbone, "config.json")):
         raise SystemExit(f"no backbone at {backbone}: run `python tools/experiment.py backbone` first")
     if a.cmd in ("all", "mechanism"):
