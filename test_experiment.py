@@ -252,6 +252,24 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)  # other moments, another batch order: other weights
 
 
+def test_launch_all_skips_finished_runs_and_restarts_killed_ones(tmp_path):
+    """A run dir with done.json is skipped; one without (the run was killed) is emptied and run again, so a rerun of
+    a sitting never trips over a half-written run; on_done sees only clean exits."""
+    job = tmp_path / "job.py"  # writes a marker, fails if the killed run's leftover is still there
+    job.write_text("import os, sys\nout = sys.argv[sys.argv.index('--out_dir') + 1]\n"
+                   "sys.exit(3 if os.path.exists(os.path.join(out, 'stale')) else 0)\n")
+    for name in ("done", "killed"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "done" / "done.json").write_text("{}")
+    (tmp_path / "killed" / "stale").write_text("half a run")
+    seen, said = [], []
+    out = E.launch_all([(n, [str(job), "--out_dir", str(tmp_path / n)]) for n in ("done", "killed", "fresh")], 1, 1,
+                       on_done=lambda name, out_dir, s: seen.append(name), log=said.append)
+    assert set(out) == {"killed", "fresh"} and all(rc == 0 for rc, _ in out.values()), out
+    assert seen == ["killed", "fresh"] and not (tmp_path / "killed" / "stale").exists()
+    assert (tmp_path / "killed" / "done.json").is_file() and any("starting over" in line for line in said)
+
+
 @pytest.mark.slow
 def test_experiment_smoke_run(tmp_path):
     """The whole script at 1 update and 1 seed: backbone, mechanism, hints, the dev probe, 4 methods + the backbone

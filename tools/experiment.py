@@ -855,7 +855,8 @@ METHODS = ("grpo", "seed", "opid", "grsd")
 
 def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, on_done=None, log=print) -> dict:
     """Run each (name, argv) as `python argv…` (the script in the repository root) with OMP_NUM_THREADS=threads,
-    `parallel` at a time; a job whose run directory holds done.json (written after a clean exit) is skipped.
+    `parallel` at a time; a job whose run directory holds done.json (written after a clean exit) is skipped, one
+    whose directory lacks it (a killed run) starts over in an emptied directory.
     on_done(name, out_dir, seconds) is called after each clean exit. Returns {name: (exit code, seconds)}."""
     import subprocess
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -869,6 +870,9 @@ def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, o
             if os.path.isfile(os.path.join(out_dir, "done.json")):
                 log(f"[experiment] {name}: already done, skipped")
                 continue
+            if os.path.isdir(out_dir):  # a run killed before it finished recorded nothing: start it over
+                shutil.rmtree(out_dir)
+                log(f"[experiment] {name}: unfinished run in {out_dir} removed, starting over")
             os.makedirs(out_dir, exist_ok=True)
             logf = open(os.path.join(os.path.dirname(out_dir), f"{name}.log"), "w")
             running[name] = (subprocess.Popen([sys.executable, os.path.join(ROOT, argv[0])] + argv[1:], stdout=logf,
