@@ -137,7 +137,7 @@ def test_oracle_http_contract(oracle):
 
 
 def test_warm_start_data_labels_are_admissible_and_hints_true():
-    pairs = E.warm_start_data(n_tasks=6, max_steps=MAX_STEPS)
+    pairs = E.warm_start_data(n_tasks=6, max_steps=MAX_STEPS, hindsight=True)  # stage 2's data: all of it
     kinds = {k for k, _, _ in pairs}
     assert kinds == {"act", "skill", "reflect", "guide"}
     hinted = 0

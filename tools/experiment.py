@@ -456,7 +456,7 @@ def hindsight_hinted(states: list, f: Facts, ok: Facts, rng: random.Random, max_
 
 
 def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0, room: str = "full",
-                    hindsight: bool = True) -> list[tuple[str, str, str]]:
+                    hindsight: bool = False) -> list[tuple[str, str, str]]:
     """(kind, user text, target response) pairs: 'act' (plain or hinted prompt -> expert response), 'skill' (SEED's
     x_τ -> <skill>…</skill>), 'reflect' (GRSD's p_ref -> three points), 'guide' (GRSD's p_guide -> DO / AVOID)."""
     import grsd
@@ -567,9 +567,10 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
     pairs = warm_start_data(n_tasks, max_steps, seed, room, hindsight)
     done = [k for k in checks if os.path.isfile(os.path.join(out, f"step{k}", "config.json"))]
     start = max(done, default=0)
-    new_stage = bool(init) and not start
-    if new_stage:  # the earlier stage's check becomes this folder's first
-        start = int(os.path.basename(init.rstrip("/"))[len("step"):])
+    init_step = int(os.path.basename(init.rstrip("/"))[len("step"):]) if init else None
+    new_stage = init is not None and start in (0, init_step)  # also after a kill before this stage's first check
+    if new_stage and not start:  # the earlier stage's check becomes this folder's first
+        start = init_step
         shutil.copytree(init, os.path.join(out, f"step{start}"), dirs_exist_ok=True)
     if start:  # resume: the tokenizer and weights of the last check
         tok = AutoTokenizer.from_pretrained(os.path.join(out, f"step{start}"))
