@@ -91,17 +91,22 @@ def load_library(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise SystemExit(f"--skill_library {path}: no such file (skills/alfworld.jsonl, skills/search.jsonl, or a "
                          f"SEED run's stage1/skills.jsonl)")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"--skill_library {path}: not UTF-8 at byte {e.start}") from None
     lib = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                x = json.loads(line)
-                assert isinstance(x, dict) and isinstance(x.get("skill"), str) and x["skill"].strip()
-            except (ValueError, AssertionError):
-                raise SystemExit(f"--skill_library {path}, line {n}: expected {{\"skill\": text, \"family\": ...}}")
-            lib.append(x)
+    for n, line in enumerate(text.split("\n"), 1):  # (splitlines would also split at U+2028 inside a string)
+        if not line.strip():
+            continue
+        try:
+            x = json.loads(line)
+            assert isinstance(x, dict) and isinstance(x.get("skill"), str) and x["skill"].strip()
+        except (ValueError, AssertionError):
+            raise SystemExit(f"--skill_library {path}, line {n}: expected {{\"skill\": text, \"family\": ...}}")
+        lib.append(x)
     return lib
 
 
@@ -171,7 +176,7 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
                 sums["pg"] += pg.item() * m.real
                 sums["kl"] += kl.item() * m.real
                 sums["tokens"] += mask.sum().item() * m.real
-            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
     if args.rlsd_lambda > 0:  # mean Â/A over the tokens of turns with A ≠ 0: how much the teacher re-weighted
         sums["rlsd_w"] = sum((a / s.adv).sum().item() for a, s in zip(adv_tok, samples) if s.adv)
         sums["rlsd_tokens"] = float(sum(len(a) for a, s in zip(adv_tok, samples) if s.adv))
@@ -186,7 +191,7 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
             **({"opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0))}
                if args.distill == "opd" else {}),  # Skill-SD has no gate
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
-            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
+            "train/minibatches": n_mb, **C.grad_norm_metrics(norms), "train/tokens": tot["tokens"],
             **rlsd, **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
             "perf/teacher_tokens": harness.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
             "perf/teacher_seqs": harness.sample_count(taught, d)}

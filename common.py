@@ -165,6 +165,7 @@ class CollectStats:
     retrievals: int = 0          # search env: steps that asked the retriever,
     retrieval_failures: int = 0  # ... got no answer (the agent saw a failure text),
     bad_replies: int = 0         # ... or an answer that breaks the /retrieve contract (also a failure text)
+    excess_docs: int = 0         # documents a retriever sent beyond topk (dropped)
     retriever: str = ""          # which retriever (URL or BM25 corpus), for the warning line
     gen_tokens: int = 0          # tokens the policy sampled for its turns,
     prompt_tokens: int = 0       # ... the prompt tokens it read for them,
@@ -177,6 +178,7 @@ class CollectStats:
         with --require_endpoint, on every rank alike)."""
         s = global_sums({"truncated": self.truncated_prompts, "unterminated": self.unterminated_responses,
                          "retrievals": self.retrievals, "failures": self.retrieval_failures, "bad": self.bad_replies,
+                         "excess": self.excess_docs,
                          "gen_s": self.gen_seconds, "env_s": self.env_seconds, "gen_tokens": self.gen_tokens,
                          "prompt_tokens": self.prompt_tokens, "turns": self.turns}, d)
         if s["retrievals"] and s["failures"] + s["bad"] == s["retrievals"]:
@@ -184,7 +186,7 @@ class CollectStats:
                           f"({int(s['bad'])} bad replies): the agent saw failure texts instead of documents", require, d)
         return {"rollout/truncated_prompts": s["truncated"], "rollout/unterminated_responses": s["unterminated"],
                 "search/retrievals": s["retrievals"], "search/retrieval_failures": s["failures"],
-                "search/bad_replies": s["bad"],
+                "search/bad_replies": s["bad"], "search/excess_docs": s["excess"],
                 "time/rollout_generation": s["gen_s"] / d.world, "time/rollout_env": s["env_s"] / d.world,
                 "perf/rollout_gen_tokens": s["gen_tokens"], "perf/rollout_prompt_tokens": s["prompt_tokens"],
                 "perf/rollout_turns": s["turns"]}
@@ -236,6 +238,7 @@ def collect(engine, make_env, task_ids: list[str], n: int, max_prompt: int, max_
             stats.retrievals += bool(info.get("searched"))
             stats.retrieval_failures += info.get("retrieval_error") == "failure"
             stats.bad_replies += info.get("retrieval_error") == "bad_reply"
+            stats.excess_docs += info.get("excess_docs", 0)
             trajs[i].turns.append(Turn(text, ids, resp, resp_text, info["action"], info["valid"], obs, reward, lp))
             trajs[i].won = bool(info["won"])
             trajs[i].score = float(info.get("score", info["won"]))
@@ -489,12 +492,38 @@ def rollout_mismatch(old: list[torch.Tensor], engine_logp: list, d: Dist) -> dic
     return {"rollout/logp_diff_mean": total / n, "rollout/logp_diff_max": top, "rollout/ratio_off_frac": off / n}
 
 
-def clip_and_step(model, optimizer, max_norm: float) -> float:
+def clip_and_step(model, optimizer, max_norm: float, max_skips: int) -> float:
+    """Clip the gradient to max_norm and take the optimizer step; returns the norm before clipping. A non-finite norm
+    (a NaN/inf loss gives one too) takes no step, so the weights stay finite, and the skips in a row are counted on
+    the optimizer; the `max_skips`-th stops the run (every rank sees the same all-reduced norm)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.skips_in_a_row = getattr(optimizer, "skips_in_a_row", 0) + 1
+        if optimizer.skips_in_a_row >= max_skips:
+            raise SystemExit(f"diverged: {max_skips} optimizer steps in a row had a non-finite gradient norm; no "
+                             f"weights were saved since the last checkpoint (lower --lr, or --resume from it)")
+        return norm
+    optimizer.skips_in_a_row = 0
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm
+
+
+def grad_norm_metrics(norms: list[float]) -> dict:
+    """train/grad_norm: mean over the update's optimizer steps that were taken; train/skipped_steps: non-finite ones."""
+    taken = [x for x in norms if math.isfinite(x)]
+    return {"train/grad_norm": sum(taken) / len(taken) if taken else float("nan"),
+            "train/skipped_steps": len(norms) - len(taken)}
+
+def cut_to_tokens(tok, text: str, max_tokens: int) -> str:
+    """The first max_tokens tokens of text (a skill, guidance). The text is cut to 16 characters per token first,
+    more than any token spans in practice, so a 10 MB reply costs no more to tokenize than a short one."""
+    head = text[:16 * max_tokens]
+    ids = tok(head, add_special_tokens=False)["input_ids"]
+    return head if len(ids) <= max_tokens else tok.decode(ids[:max_tokens])
+
 
 def sample_tasks(task_ids: list[str], k: int, update: int, seed: int) -> list[str]:
     """The same global task batch on every rank (seeded by update), without replacement when possible."""

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import http.client
 import itertools
 import json
 import os
@@ -65,7 +66,6 @@ import string
 import sys
 import threading
 import time
-import urllib.request
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -651,13 +651,43 @@ def format_passages(docs: list) -> str:
     return "\n".join(lines)
 
 
+class DataError(ValueError):
+    """A benchmark data file that cannot be read as what it should be (harness.task_envs: one line, exit 1)."""
+
+
+def read_data_text(path) -> str:
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 at byte {e.start} ({data[max(0, e.start - 20):e.start + 4]!r})") from None
+
+
+def load_json_file(path):
+    try:
+        return json.loads(read_data_text(path))
+    except ValueError as e:
+        raise e if isinstance(e, DataError) else DataError(f"{path}: not valid JSON ({e}); cut short?") from None
+
+
+def load_jsonl_file(path) -> list:
+    rows = []
+    for n, line in enumerate(read_data_text(path).split("\n"), 1):  # (not splitlines: U+2028 may sit in a string)
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise DataError(f"{path} line {n}: not JSON ({e})") from None
+    return rows
+
+
 class BM25Retriever:
     """In-process BM25 (bm25s) over a Search-R1 corpus JSONL ({"id", "contents": '"Title"\\ntext'})."""
 
     def __init__(self, corpus_jsonl: str | Path):
         import bm25s
         self._bm25s, self.lock = bm25s, threading.Lock()
-        self.docs = [json.loads(line) for line in Path(corpus_jsonl).read_text("utf-8").splitlines() if line.strip()]
+        self.docs = load_jsonl_file(corpus_jsonl)
         self.index = bm25s.BM25()
         self.index.index(self._tokens([d["contents"] for d in self.docs]), show_progress=False)
 
@@ -695,30 +725,74 @@ def check_retrieve_reply(reply, n_queries: int) -> list[list]:
     return result
 
 
+def post_within(url: str, body: bytes, headers: dict, timeout: float) -> bytes:
+    """POST `body` and return the whole reply body, all within `timeout` seconds: a socket timeout alone restarts
+    with every byte received, so a server that drips its reply could hold the caller for ever; here a timer shuts
+    the socket at the deadline. Raises TimeoutError past it, urllib.error.HTTPError for a non-2xx status, and
+    OSError / http.client.HTTPException for the rest. (Plain http.client: proxy variables are not used.)"""
+    import socket
+    import urllib.error
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
+        u.hostname, u.port, timeout=timeout)
+    expired, sock = threading.Event(), []
+
+    def expire():
+        expired.set()
+        for s in sock:  # (the connection drops its own reference once the reply's headers say it will close)
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the blocked read
+            except OSError:
+                pass
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.connect()
+        sock.append(conn.sock)
+        if expired.is_set():  # connected just after the deadline: the timer found no socket to shut
+            raise TimeoutError
+        conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body, headers)
+        reply = conn.getresponse()
+        data = reply.read()
+        if expired.is_set():
+            raise TimeoutError
+        if not 200 <= reply.status < 300:
+            raise urllib.error.HTTPError(url, reply.status, f"{reply.reason}: {data[:200]!r}", reply.headers, None)
+        return data
+    except (OSError, http.client.HTTPException) as e:
+        if expired.is_set() or isinstance(e, TimeoutError):
+            raise TimeoutError(f"no complete reply from {url} within {timeout:g} s") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+
+
 def retrieve_http(url: str, queries: list[str], topk: int = 3, return_scores: bool = False,
-                  timeout: float = 10.0, retries: int = 1) -> list[list]:
+                  timeout: float = 10.0, retries: int = 1) -> tuple[list[list], int]:
     """POST Search-R1's /retrieve contract: 1 + `retries` attempts on errors, none after a timeout (a hung server
-    would hang again) or a reply that breaks the contract (BadRetrieverReply); raises RuntimeError when all fail."""
+    would hang again: `timeout` bounds the whole reply, post_within) or a reply that breaks the contract
+    (BadRetrieverReply); raises RuntimeError when all fail. Returns (at most `topk` documents per query, the number
+    of documents the server sent beyond topk, dropped)."""
     body = json.dumps({"queries": queries, "topk": topk, "return_scores": return_scores}).encode()
     error = None
     for attempt in range(retries + 1):
         try:
-            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                data = reply.read()
+            data = post_within(url, body, {"Content-Type": "application/json"}, timeout)
         except TimeoutError as e:
-            raise RuntimeError(f"retrieval from {url}: no answer within {timeout:g} s") from e
-        except OSError as e:  # URLError/HTTPError (a connect timeout is a URLError)
-            if isinstance(getattr(e, "reason", None), TimeoutError):
-                raise RuntimeError(f"retrieval from {url}: no connection within {timeout:g} s") from e
+            raise RuntimeError(f"retrieval from {url}: no complete answer within {timeout:g} s") from e
+        except (OSError, http.client.HTTPException) as e:  # refused, an HTTP error status, a cut-off reply
             error = e
             if attempt < retries:
                 time.sleep(0.2 * 2 ** attempt)
             continue
         try:
-            return check_retrieve_reply(json.loads(data), len(queries))
+            result = check_retrieve_reply(json.loads(data), len(queries))
         except ValueError as e:  # not JSON, or the wrong shape
             raise e if isinstance(e, BadRetrieverReply) else BadRetrieverReply(f"not JSON: {data[:200]!r}") from e
+        return [docs[:topk] for docs in result], sum(max(0, len(docs) - topk) for docs in result)
     raise RuntimeError(f"retrieval from {url} failed after {retries + 1} tries: {error}")
 
 
@@ -764,8 +838,13 @@ def load_questions(data_dir: str) -> dict[str, dict]:
     """All FlashRAG-format questions under data_dir, keyed by '<file stem>/<id>'."""
     questions = {}
     for path in sorted(Path(data_dir).glob("*.jsonl")):
-        for row in (json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()):
+        for n, row in enumerate(load_jsonl_file(path), 1):
             if "question" in row and "golden_answers" in row:  # skips e.g. the raw HotpotQA context file
+                answers = row["golden_answers"]
+                if not (isinstance(answers, list) and answers and all(isinstance(a, str) for a in answers)
+                        and isinstance(row["question"], str) and "id" in row):
+                    raise DataError(f"{path}, row {n}: want an id, a question text and golden_answers as a non-empty "
+                                    f"list of strings; got golden_answers={answers!r}")
                 row.setdefault("data_source", path.stem)
                 questions[f"{path.stem}/{row['id']}"] = row
     return questions
@@ -807,23 +886,27 @@ class SearchEnv(Env):
     def _prompt_extra(self) -> str:
         return "This is your last step: you must answer now." if self.steps + 1 >= self.max_steps else ""
 
-    def retrieve(self, query: str) -> list:
+    def retrieve(self, query: str) -> tuple[list, int]:
+        """(the top-k documents, how many more the server sent: dropped, counted as search/excess_docs)."""
         if self.url:
-            return retrieve_http(self.url, [query], self.topk, False, self.timeout, self.retries)[0]
-        return load_bm25(self.corpus).search([query], self.topk)[0]
+            docs, excess = retrieve_http(self.url, [query], self.topk, False, self.timeout, self.retries)
+            return docs[0], excess
+        return load_bm25(self.corpus).search([query], self.topk)[0], 0
 
     def _act(self, action):
         tag, content = re.fullmatch(r"<(\w+)>(.*)</\1>", action, re.DOTALL).groups()
         if tag == "answer":
             score = exact_match(content, self.golden)
             return f"Your answer: {content}", score, score == 1.0, True, {}
+        excess = 0
         try:
-            obs, error = f"<information>{format_passages(self.retrieve(content))}</information>", False
+            docs, excess = self.retrieve(content)
+            obs, error = f"<information>{format_passages(docs)}</information>", False
         except BadRetrieverReply as e:  # counted apart: the server is up but speaks another contract
             obs, error = f"<information>Search failed: {str(e)[:200]}</information>", "bad_reply"
         except Exception as e:  # a dead retriever (or a missing corpus) costs this step, never the run
             obs, error = f"<information>Search failed: {str(e)[:200]}</information>", "failure"
-        return obs, 0.0, False, False, {"retrieval_error": error, "searched": True}
+        return obs, 0.0, False, False, {"retrieval_error": error, "searched": True, "excess_docs": excess}
 
 
 # ----------------------------------------------------------------------------- webshop (official text protocol)
@@ -869,10 +952,10 @@ def _webshop_file(root: Path, key: str, required: bool = True) -> Path | None:
 def load_products(products_file: Path, attributes_file: Path, human_file: Path | None, rng: random.Random):
     """engine.py load_products + generate_product_prices: one dict per product in file order (asin 'nan', longer
     than 10 characters or repeated: skipped). Price ranges are drawn once per product, uniformly in [low, high]."""
-    attributes = json.loads(attributes_file.read_text("utf-8"))
-    human = json.loads(human_file.read_text("utf-8")) if human_file else {}
+    attributes = load_json_file(attributes_file)
+    human = load_json_file(human_file) if human_file else {}
     products, seen = [], set()
-    for p in json.loads(products_file.read_text("utf-8")):
+    for p in load_json_file(products_file):
         asin = p.get("asin", "nan")
         if asin == "nan" or len(asin) > 10 or asin in seen:
             continue

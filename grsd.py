@@ -376,8 +376,7 @@ def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], 
     for i, tr in enumerate(trajs):
         z = guidance.get(tr.group)
         if z is not None:
-            ids = tok(z, add_special_tokens=False)["input_ids"]
-            z = z if len(ids) <= args.guidance_max_tokens else tok.decode(ids[:args.guidance_max_tokens])
+            z = C.cut_to_tokens(tok, z, args.guidance_max_tokens)
         n_i = sum(len(t.response_ids) for t in tr.turns)
         for turn in tr.turns:
             teacher = C.encode_prompt(tok, inject_guidance(turn.prompt_text, z), teacher_len)[0] if z else None
@@ -482,7 +481,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                     sums["kl"] += kl.item()
                     sums["tokens"] += mask.sum().item() * m.real
                 (loss * m.scale).backward()  # FSDP averages over ranks; a dummy counts 0
-            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))          # Alg. 1 l.29
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))          # Alg. 1 l.29
     a_plain = torch.cat([torch.full((len(r),), s.adv) for s, r in zip(turns, R)]) if turns else torch.zeros(0)
     a_hat = torch.cat(adv) if adv else torch.zeros(0)
     w_ratio = (a_hat / a_plain)[a_plain != 0]
@@ -502,7 +501,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "grsd/weight_min": w_lo if math.isfinite(w_lo) else 1.0,   # w = Â/A ∈ [1 − λĜ, 1 + λĜ]
             "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
             "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
-            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": n_tok,
+            "train/minibatches": n_mb, **C.grad_norm_metrics(norms), "train/tokens": n_tok,
             **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
             "perf/teacher_tokens": harness.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d),
             "perf/teacher_seqs": harness.sample_count(rows, d),
@@ -568,4 +567,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(harness.parse_args(Args, PAPER, TINY))
+    harness.run_main(main, harness.parse_args(Args, PAPER, TINY))

@@ -9,16 +9,17 @@ worker processes (--env_workers) and held-out validation. Nothing here is a pape
 """
 from __future__ import annotations
 
+import errno
 import functools
 import http.client
 import json
+import math
 import os
 import random
 import shutil
+import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,37 +44,56 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
     """A checkpoint: an HF directory (full weights + tokenizer, AutoModelForCausalLM.from_pretrained loads it) with
     trainer_state/ inside: the full AdamW state (optimizer.pt, FSDP2 full state dict: independent of world size),
     every rank's Python/torch RNG (rng_rank{r}.pt) and meta.json (`next_update`, the row of the update it closes).
-    Written to `path.tmp`, fsync'd, then renamed: a kill while saving leaves nothing that looks complete. Collective."""
+    Written to `path.tmp`, fsync'd, then renamed: a kill while saving leaves nothing that looks complete. A failed
+    write on any rank (a full disk) removes the partial copy and stops every rank in one line. Collective."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # plain CPU tensors on rank 0, nothing elsewhere
     tmp = path + ".tmp"
     if d.main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during an earlier save
-        os.makedirs(os.path.join(tmp, STATE))
-    dist.barrier()
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if d.device.type == "cuda" else None}
-    torch.save(rng, os.path.join(tmp, STATE, f"rng_rank{d.rank}.pt"))
-    sd = get_model_state_dict(policy, options=full)
+    error = None
+    try:
+        if d.main:
+            os.makedirs(os.path.join(tmp, STATE))
+    except OSError as e:
+        error = e
+    where = os.path.dirname(os.path.abspath(path))
+    error = saving_error(error, d, where)
+    if error is None:
+        try:
+            rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                   "cuda": torch.cuda.get_rng_state() if d.device.type == "cuda" else None}
+            torch.save(rng, os.path.join(tmp, STATE, f"rng_rank{d.rank}.pt"))
+        except (OSError, RuntimeError) as e:
+            error = e
+    sd = get_model_state_dict(policy, options=full)  # collectives: every rank, whatever happened above
     osd = get_optimizer_state_dict(policy, opt, options=full) if opt is not None else None
+    if d.main and error is None:
+        try:
+            policy.save_pretrained(tmp, state_dict=sd)  # (save_pretrained empties the dict it is given)
+            tok.save_pretrained(tmp)
+            if osd is not None:
+                torch.save(osd, os.path.join(tmp, STATE, "optimizer.pt"))
+            for name, text in (files or {}).items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
+            with open(os.path.join(tmp, STATE, "meta.json"), "w") as f:
+                json.dump({**(meta or {}), "world_size": d.world}, f)
+            for root, _, names in os.walk(tmp):  # on disk before the rename, so a node crash cannot reorder them
+                for p in [os.path.join(root, n) for n in names] + [root]:
+                    fd = os.open(p, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
+        except (OSError, RuntimeError) as e:  # a full disk: ENOSPC from a write, or torch's "file write failed"
+            error = e
+    error = saving_error(error, d, where)  # every rank's RNG file is written, or every rank stops here
+    if error is not None:
+        if d.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"saving {path} failed: {error}; the partial copy was removed and the previous checkpoint "
+                         f"is untouched (--resume continues from it)")
     if d.main:
-        policy.save_pretrained(tmp, state_dict=sd)  # (save_pretrained empties the dict it is given)
-        tok.save_pretrained(tmp)
-        if osd is not None:
-            torch.save(osd, os.path.join(tmp, STATE, "optimizer.pt"))
-        for name, text in (files or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-        with open(os.path.join(tmp, STATE, "meta.json"), "w") as f:
-            json.dump({**(meta or {}), "world_size": d.world}, f)
-    dist.barrier()  # every rank's RNG file is written
-    if d.main:
-        for root, _, names in os.walk(tmp):  # on disk before the rename, so a node crash cannot reorder them
-            for p in [os.path.join(root, n) for n in names] + [root]:
-                fd = os.open(p, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
         if os.path.isdir(path):  # a stale checkpoint of that name, older than the one this run resumed from
             shutil.rmtree(path)
         os.rename(tmp, path)
@@ -83,16 +103,96 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
     dist.barrier()
 
 
+def saving_error(error: Exception | None, d: Dist, where: str) -> str | None:
+    """The first rank's saving error (as text) on every rank, or None: all ranks stop together, none waits. A full
+    disk is named as such (torch.save reports it as a bare "unexpected pos": the free space tells)."""
+    text = None
+    if error is not None:
+        full = getattr(error, "errno", None) == errno.ENOSPC or shutil.disk_usage(where).free < 16 * 2 ** 20
+        text = "no space left on the device" if full else f"{type(error).__name__}: {error}"
+    errors = [None] * d.world
+    dist.all_gather_object(errors, text)
+    return next((e for e in errors if e), None)
+
+
 def read_meta(path: str) -> dict:
     return read_json(os.path.join(path, STATE, "meta.json"))
 
 
-def latest_state(out_dir: str) -> str | None:
-    """The resumable checkpoint in out_dir with the most updates done (every one there is complete: save_state)."""
-    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
-    found = [(read_meta(p)["next_update"], p) for p in (os.path.join(out_dir, n) for n in names)
-             if not p.endswith(".tmp") and os.path.isfile(os.path.join(p, STATE, "meta.json"))]
-    return max(found)[1] if found else None
+def safetensors_shapes(path: str) -> dict[str, list[int]]:
+    """Tensor name -> shape from a .safetensors header, after checking the file holds every byte the header promises
+    (8-byte length, JSON header, then the data: a file cut short by a kill or a full disk fails here, not mid-load)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or not 0 < n <= size - 8:
+            raise ValueError(f"{os.path.basename(path)}: {size} bytes, not a safetensors file")
+        header = json.loads(f.read(n))
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    if size != 8 + n + end:
+        raise ValueError(f"{os.path.basename(path)} has {size} bytes, its header needs {8 + n + end} (cut short?)")
+    return {k: v["shape"] for k, v in tensors.items()}
+
+
+def state_problem(path: str) -> str | None:
+    """What keeps checkpoint `path` from resuming, in a few words, or None when it is complete: meta.json, config.json,
+    weights whose every safetensors file is whole, one RNG file per saving rank, and an optimizer.pt (when
+    there is one) whose every moment has its weight's shape. Reads headers only (optimizer.pt memory-mapped)."""
+    try:
+        meta = read_meta(path)
+        if not meta:
+            return f"no {STATE}/meta.json"
+        if not (isinstance(meta.get("next_update"), int) and isinstance(meta.get("world_size"), int)
+                and isinstance(meta.get("row"), dict)):
+            return f"{STATE}/meta.json lacks next_update / world_size / row"
+        config = read_json(os.path.join(path, "config.json"))
+        if not config:
+            return "no config.json"
+        weights = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        index = read_json(os.path.join(path, "model.safetensors.index.json"))
+        missing = sorted(set(index.get("weight_map", {}).values()) - set(weights))
+        if not weights or missing:
+            return f"weight files missing: {', '.join(missing) or 'model.safetensors'}"
+        shapes = {k: v for n in weights for k, v in safetensors_shapes(os.path.join(path, n)).items()}
+        lost = [f"rng_rank{r}.pt" for r in range(meta["world_size"])
+                if not os.path.isfile(os.path.join(path, STATE, f"rng_rank{r}.pt"))]
+        if lost:
+            return f"{STATE}/{lost[0]} missing"
+        optim = os.path.join(path, STATE, "optimizer.pt")
+        if os.path.isfile(optim):
+            osd = torch.load(optim, map_location="cpu", weights_only=True, mmap=True)
+            for name, st in osd["state"].items():
+                shape = [list(v.shape) for k, v in st.items() if k == "exp_avg"]
+                if name not in shapes or shape != [shapes[name]]:
+                    return (f"{STATE}/optimizer.pt does not fit the weights ({name}: {shape[0] if shape else '?'} vs "
+                            f"{shapes.get(name, 'no such weight')})")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # garbage JSON, a torn file
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    return None
+
+
+def checkpoint_order(name: str) -> tuple:
+    """Newest first when sorted descending: final/, then update<k>/ by k, then stage1/ (SEED's stage-1 end)."""
+    if name == "final":
+        return (2, 0)
+    return (1, int(name[6:])) if name.startswith("update") and name[6:].isdigit() else (0, 0)
+
+
+def latest_state(out_dir: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint in out_dir that can resume (state_problem), and one line per newer one that cannot.
+    A checkpoint pruned to plain weights (no trainer_state/: see Run._prune) is no candidate; one whose
+    trainer_state/ is there but broken is skipped, named, never deleted."""
+    names = sorted((n for n in (os.listdir(out_dir) if os.path.isdir(out_dir) else [])
+                    if not n.endswith(".tmp") and os.path.isdir(os.path.join(out_dir, n, STATE))),
+                   key=checkpoint_order, reverse=True)
+    skipped = []
+    for name in names:
+        problem = state_problem(os.path.join(out_dir, name))
+        if problem is None:
+            return os.path.join(out_dir, name), skipped
+        skipped.append(f"{name}/: {problem}")
+    return None, skipped
 
 
 def read_json(path: str) -> dict:
@@ -103,7 +203,8 @@ def read_json(path: str) -> dict:
 
 
 def read_rows(path: str) -> list[dict]:
-    """metrics.jsonl's rows; a last line cut short by a kill is dropped."""
+    """metrics.jsonl's rows; a last line cut short by a kill is dropped; any other line that is no JSON object
+    raises ValueError naming the file and line."""
     if not os.path.isfile(path):
         return []
     with open(path) as f:
@@ -111,10 +212,13 @@ def read_rows(path: str) -> list[dict]:
     rows = []
     for i, line in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
-            if i + 1 < len(lines):
-                raise
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif i + 1 < len(lines):
+            raise ValueError(f"{path} line {i + 1} is not a JSON object: {line[:80]!r}")
     return rows
 
 
@@ -178,8 +282,10 @@ MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields
     "guidance_max_tokens": (1, "tokens"), "max_critical": (0, "critical steps"), "analyzer_retries": (0, "re-asks"),
     "record_chars": (1, "characters"), "obs_chars": (1, "characters"), "endpoint_timeout": (0.001, "seconds"),
     "endpoint_retries": (0, "extra attempts"), "retriever_timeout": (0.001, "seconds"),
-    "retriever_retries": (0, "extra attempts"), "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
+    "retriever_retries": (0, "extra attempts"), "max_skipped_steps": (1, "steps"), "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
     "gpu_memory_utilization": (0.01, "fraction of GPU memory"), "cpu_kv_cache_gb": (0.01, "GiB")}
+POSITIVE = {"lr": "a step size", "sft_lr": "a step size", "clip_eps": "ρ is clipped to [1 − ε, 1 + ε]",
+            "max_grad_norm": "a negative norm flips every gradient, 0 zeroes them"}
 # the benchmarks that need a data folder, and the variable that can name it
 DATA_ENV = {"alfworld": "ALFWORLD_DATA", "search": "SEARCH_QA_DATA", "webshop": "WEBSHOP_DATA"}
 
@@ -217,23 +323,67 @@ def check_run_args(args):
         value = getattr(args, name, None)
         if value is not None and value < least:
             raise SystemExit(f"--{name} must be ≥ {least:g} ({why}); got {value:g}")
+    for name, value in vars(args).items():  # NaN passes every comparison: it would poison the run silently
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SystemExit(f"--{name} must be a finite number; got {value}")
+        if name in POSITIVE and value is not None and value <= 0:
+            raise SystemExit(f"--{name} must be > 0 ({POSITIVE[name]}); got {value:g}")
+        if name.endswith("temperature") and value is not None and value < 0:
+            raise SystemExit(f"--{name} must be ≥ 0 (0 = greedy); got {value:g}")
+    if not 0 < args.top_p <= 1:
+        raise SystemExit(f"--top_p must be in (0, 1]; got {args.top_p:g}")
     # a local path must be an HF directory; anything else (gpt2, org/name) is a hub id for from_pretrained
     if args.model != "tiny" and (os.path.exists(args.model) or args.model.startswith(("/", ".", "~"))
                                  or args.model.count("/") > 1) and not os.path.isfile(
             os.path.join(os.path.expanduser(args.model), "config.json")):
         raise SystemExit(f"--model {args.model}: no HF model directory there (config.json missing); pass a "
                          f"directory, a hub id like Qwen/Qwen2.5-3B-Instruct, or tiny")
+    model_dir = os.path.expanduser(args.model)
+    if os.path.isfile(os.path.join(model_dir, "config.json")) and not any(
+            n.endswith((".safetensors", ".bin")) for n in os.listdir(model_dir)):
+        raise SystemExit(f"--model {args.model}: config.json but no weights there (*.safetensors or *.bin)")
     data_dir = args.data_dir or os.environ.get(DATA_ENV.get(args.env, ""), "")
     if args.env in DATA_ENV and not os.path.isdir(os.path.expanduser(data_dir)):
         raise SystemExit(f"--env {args.env} needs its data: --data_dir {args.data_dir or ''} is no directory "
                          f"(or set {DATA_ENV[args.env]}; see docs/environments.md)")
-    state = latest_state(args.out_dir) if args.resume else None  # (read before any rank changes out_dir)
-    if state and args.updates is not None and read_meta(state)["next_update"] >= args.updates:
-        raise SystemExit(f"{state} has {read_meta(state)['next_update']} updates done: nothing to resume with "
-                         f"--updates {args.updates} (pass a larger --updates to extend the run)")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise SystemExit(f"--out_dir {args.out_dir} is a file, not a directory")
+    holder = lock_holder(args.out_dir)
+    if holder:
+        raise SystemExit(in_use(args.out_dir, holder))
+    if args.resume:  # (read before any rank changes out_dir: nothing there is touched until all of it checks out)
+        resume_point(args, warn=False)
     if os.path.isfile(os.path.join(args.out_dir, "metrics.jsonl")) and not (args.resume or args.overwrite):
         raise SystemExit(f"{args.out_dir} already holds a run (metrics.jsonl): pass --resume to continue it, "
                          f"--overwrite to delete it and start over, or another --out_dir")
+
+
+def resume_point(args, warn: bool = True) -> tuple[str | None, list[dict], dict]:
+    """--resume: (the checkpoint to continue from, the metrics rows it keeps, the run's args.json), after checking
+    all of them, or one line (SystemExit) saying what is wrong and that nothing was changed. A newest checkpoint
+    that cannot resume (state_problem) is skipped for an older complete one, with a warning naming the fault; no
+    complete one while metrics rows exist is refused (starting over would overwrite them: that is --overwrite)."""
+    out = args.out_dir
+    state, skipped = latest_state(out)
+    for line in skipped if warn else []:
+        print(f"[resume] WARNING: {os.path.join(out, line)}; " + ("falling back to an older checkpoint" if state
+                                                                   else "no older complete checkpoint"))
+    try:
+        rows = read_rows(os.path.join(out, "metrics.jsonl"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--resume: {e}; nothing was changed (repair or delete that line, or --overwrite)") from None
+    try:
+        old = read_json(os.path.join(out, "args.json"))
+    except (ValueError, UnicodeDecodeError):
+        print(f"[resume] WARNING: {out}/args.json is not JSON: the run gets a new run id, its args are rewritten")
+        old = {}
+    if state is None and (skipped or any("update" in r for r in rows)):
+        raise SystemExit(f"--resume: no complete checkpoint in {out} ({'; '.join(skipped) or 'none saved'}) but "
+                         f"{len(rows)} metrics rows; nothing was changed (--overwrite starts over)")
+    if state and args.updates is not None and read_meta(state)["next_update"] >= args.updates:
+        raise SystemExit(f"{state} has {read_meta(state)['next_update']} updates done: nothing to resume with "
+                         f"--updates {args.updates} (pass a larger --updates to extend the run)")
+    return state, rows, old if isinstance(old, dict) else {}
 
 
 class Tracker:
@@ -264,6 +414,46 @@ class Tracker:
         self.w.close() if self.kind == "tensorboard" else self.w.finish()
 
 
+def lock_holder(out_dir: str) -> str | None:
+    """Who holds out_dir's run lock (lock_out_dir), or None; creates nothing (check_run_args asks it first)."""
+    import fcntl
+    path = os.path.join(out_dir, ".lock")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # (closing the file releases it)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+
+
+def in_use(out_dir: str, holder: str) -> str:
+    return f"{out_dir} is in use by a live run ({holder}): wait for it to end or pick another --out_dir"
+
+
+def lock_out_dir(out_dir: str):
+    """One run per out_dir: an exclusive flock on out_dir/.lock, held by rank 0 for the run's life and dropped by
+    the OS when the process ends (kill -9 included). A second run into the same out_dir is refused in one line
+    naming the holder. Returns the open lock file (keep it referenced)."""
+    import fcntl
+    import socket
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SystemExit(in_use(out_dir, holder))
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
 class Run:
     """A run's out_dir from start to end: refuses to clobber an earlier run (check_run_args), with --resume picks
     the latest complete checkpoint and keeps the metrics rows it covers, writes args.json, one row per update to
@@ -274,9 +464,17 @@ class Run:
         from tqdm import tqdm
         self.args, self.method, self.d, self.out = args, method, d, args.out_dir
         self.path = os.path.join(args.out_dir, "metrics.jsonl")
-        rows, run_id, found = self._prepare() if d.main else ([], None, [None, 0])
+        rows, run_id, found, self.lock = [], None, [None, 0, None], None
+        if d.main:
+            try:
+                self.lock = lock_out_dir(args.out_dir)  # before anything in out_dir changes
+                rows, run_id, found[:2] = self._prepare()
+            except SystemExit as e:  # every rank stops with the same line
+                found[2] = str(e)
         dist.broadcast_object_list(found, src=0)
-        self.state, self.start = found  # the checkpoint to load (None: from scratch), the first update to run
+        if found[2]:
+            raise SystemExit(found[2])
+        self.state, self.start = found[:2]  # the checkpoint to load (None: from scratch), the first update to run
         first_step = self.start + 1 if self.state else 0 if args.resume else None  # TensorBoard drops redone steps
         self.tracker = Tracker(args.track, self.out, f"{method}:{os.path.basename(os.path.abspath(self.out))}", run_id,
                                vars(args), first_step) if d.main and args.track != "none" else None
@@ -291,12 +489,12 @@ class Run:
         os.makedirs(out, exist_ok=True)
         if args.overwrite:
             clear_run(out, rows_only=args.eval_only)  # eval-only: the model it scores may be a checkpoint here
-        old = read_json(os.path.join(out, "args.json")) if args.resume else {}
-        state, rows, start = latest_state(out) if args.resume else None, [], 0
+        state, rows, old = resume_point(args) if args.resume else (None, [], {})
+        start = 0
         if state:
             meta = read_meta(state)
             start = meta["next_update"]
-            rows = [r for r in read_rows(self.path) if r.get("update", -1) < start]
+            rows = [r for r in rows if r.get("update", -1) < start]
             if not any(r.get("update", -1) == meta["row"].get("update", -1) for r in rows):
                 rows.append(meta["row"])
             if os.path.basename(state) == "final":  # a finished run extended: the new last update writes final/
@@ -321,8 +519,9 @@ class Run:
         """Append one row (rank 0); the bar shows training success, total loss and the latest eval success."""
         if not self.d.main:
             return
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}  # JSON null
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
         if self.tracker:
             self.tracker.log(row, row.get("update", -1) + 1)  # step = updates done (0: stage 1 / eval-only)
         for key, short in (("charts/success_rate", "success"), ("losses/total", "loss"), ("eval/success", "eval")):
@@ -356,7 +555,7 @@ class Run:
             if name.endswith(".tmp"):
                 shutil.rmtree(p)
                 continue
-            if os.path.isfile(os.path.join(p, STATE, "meta.json")) and read_meta(p)["next_update"] > 0:
+            if os.path.isdir(os.path.join(p, STATE)) and checkpoint_order(name)[0] > 0:  # stage1/ stays resumable
                 os.rename(os.path.join(p, STATE), os.path.join(p, STATE + ".del"))  # atomic: never half a state
             shutil.rmtree(os.path.join(p, STATE + ".del"), ignore_errors=True)
 
@@ -364,6 +563,8 @@ class Run:
         self.bar.close()
         if self.tracker:
             self.tracker.close()
+        if self.lock:
+            self.lock.close()  # releases the flock
         if self.d.main:
             ckpts = sorted(n for n in os.listdir(self.out) if os.path.isfile(os.path.join(self.out, n, "config.json")))
             print(f"[{self.method}] metrics: {self.path} | checkpoints: {', '.join(ckpts) or 'none'} in {self.out} | "
@@ -411,9 +612,10 @@ class Timer:
 
 class ChatClient:
     """POST {base_url}/chat/completions for one role (annotator, analyzer, judge). A request makes 1 + `retries`
-    attempts with backoff on errors (refused, HTTP errors, cut-off bodies, malformed JSON); a timed-out attempt is
-    final, since a hung server would hang again. Failures return None and are counted; they never raise. A `content`
-    given as a list of parts is joined; any other non-text content is a failure. complete_many sends a whole batch
+    attempts with backoff on errors (refused, HTTP errors, cut-off bodies, malformed JSON); `timeout` bounds each
+    attempt's whole reply (envs.post_within), and a timed-out attempt is final, since a hung server would hang
+    again. Failures return None and are counted; they never raise. A `content` given as a list of parts is joined;
+    any other non-text content is a failure. complete_many sends a whole batch
     at once (up to `workers` in flight), so a hung server costs about one timeout per batch."""
 
     def __init__(self, base_url: str, model: str, role: str = "endpoint", timeout: float = 60.0, retries: int = 2,
@@ -430,19 +632,15 @@ class ChatClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         for attempt in range(1 + self.retries):
             try:
-                req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    content = json.loads(r.read())["choices"][0]["message"]["content"]
+                content = json.loads(envs.post_within(self.url, body, headers, self.timeout))
+                content = content["choices"][0]["message"]["content"]
                 if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                     content = "".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
                 if isinstance(content, str):
                     self._count(ok=True)
                     return content
-            except TimeoutError:  # no answer within the timeout
+            except TimeoutError:  # no whole answer within the timeout
                 break
-            except urllib.error.URLError as e:
-                if isinstance(e.reason, TimeoutError):
-                    break
             except (http.client.HTTPException, OSError, ValueError, KeyError, IndexError, TypeError):
                 pass
             if attempt < self.retries:
@@ -505,11 +703,14 @@ def task_envs(args):
     splits = [("eval/", "valid_seen"), ("eval_unseen/", "valid_unseen")] if args.eval_split == "both" \
         else [("eval/", args.eval_split)]
     evals = []
-    for prefix, split in splits:
-        make_valid = functools.partial(envs.make_env, args.env, split=split, **kw)
-        ids = make_valid().task_ids()
-        evals.append((prefix, make_valid, random.Random(args.seed).sample(ids, min(args.eval_tasks, len(ids)))))
-    train_ids = make_train().task_ids()
+    try:  # the data load here (cached for the run): a bad file is one line naming it
+        for prefix, split in splits:
+            make_valid = functools.partial(envs.make_env, args.env, split=split, **kw)
+            ids = make_valid().task_ids()
+            evals.append((prefix, make_valid, random.Random(args.seed).sample(ids, min(args.eval_tasks, len(ids)))))
+        train_ids = make_train().task_ids()
+    except (envs.DataError, FileNotFoundError) as e:
+        raise SystemExit(f"--env {args.env}: {e}") from None
     if args.env_workers > 0:  # --env_workers: the same factories, called in the pool's worker processes
         pool = EnvPool({"train": make_train, **{prefix: make for prefix, make, _ in evals}}, args.env_workers)
         make_train, evals = pool.envs("train"), [(prefix, pool.envs(prefix), ids) for prefix, _, ids in evals]
@@ -582,12 +783,35 @@ def _view(slot: int, env) -> EnvView:
     return EnvView(slot, env.task, env.family, env.observation, env.prompt(), getattr(env, "retriever", ""))
 
 
-def _env_worker(conn, factories: dict):
+def die_with_parent(parent_pid: int):
+    """In a forked worker: end when the process that forked it ends, kill -9 included (Linux PR_SET_PDEATHSIG;
+    elsewhere a thread polls the parent pid every second), so a killed run leaves no orphans under pid 1."""
+    import signal
+    try:
+        import ctypes
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # 1 = PR_SET_PDEATHSIG
+            raise OSError
+    except (OSError, AttributeError):
+        def watch():
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:  # it ended before the signal was armed
+        os._exit(1)
+
+
+def _env_worker(conn, factories: dict, parent_pid: int):
     """An EnvPool worker: owns the environments of its slots; answers ("reset", key, [(slot, task id)]) and
-    ("step", key, [(slot, reply)]) in order, with views (and step results), until ("stop", …)."""
+    ("step", key, [(slot, reply)]) in order, with views (and step results), until ("stop", …), its pipe closes
+    or the parent dies (die_with_parent)."""
+    die_with_parent(parent_pid)
     live = {}
     while True:
-        op, key, items = conn.recv()
+        try:
+            op, key, items = conn.recv()
+        except EOFError:
+            return
         try:
             if op == "stop":
                 return
@@ -624,7 +848,7 @@ class EnvPool:
         self.conns, self.procs = [], []
         for _ in range(workers):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_env_worker, args=(child, factories), daemon=True)
+            proc = ctx.Process(target=_env_worker, args=(child, factories, os.getpid()), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -699,15 +923,18 @@ class RunArgs:
     env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
                                  "steps overlap (0: in the trainer's process)")
     retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
-    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may wait for its answer")
+    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may take, its whole reply included")
     retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
     # External endpoints (ChatClient)
-    endpoint_timeout: float = arg(60.0, "seconds a request to an external annotator / analyzer / judge may wait (a batch is sent at once)")
+    endpoint_timeout: float = arg(60.0, "seconds a request to an external annotator / analyzer / judge may take, "
+                                        "its whole reply included (a batch is sent at once)")
     endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
     require_endpoint: bool = arg(False, "stop the run when the external endpoint or the retriever fails a whole update")
     # The run
     out_dir: str = arg("runs/run", "metrics.jsonl and the checkpoints go here")
     seed: int = arg(0, "random seed")
+    max_skipped_steps: int = arg(3, "optimizer steps in a row skipped for a non-finite gradient norm (NaN/inf loss "
+                                    "or gradient) that stop the run")
     # Lengths, sampling and batching
     max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
     max_response_len: int | None = arg(None, "response tokens (paper 512)")
@@ -737,6 +964,22 @@ class RunArgs:
     overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
     eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
     track: str = arg("none", "also send every metrics row to this tracker", TRACKERS)
+
+
+def run_main(main, args):
+    """A method's entry point: main(args), with Ctrl-C (SIGINT: every torchrun rank gets it) ending in one line on
+    rank 0 that names the last complete checkpoint, instead of a traceback per rank."""
+    try:
+        main(args)
+    except KeyboardInterrupt:
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):  # the bar's last line before ours, not after it
+            bar.close()
+        if os.environ.get("RANK", "0") == "0":
+            state = latest_state(args.out_dir)[0] if os.path.isdir(args.out_dir) else None
+            print(f"\ninterrupted: the last complete checkpoint is {state} (continue with --resume)" if state else
+                  "\ninterrupted before any checkpoint was saved", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):

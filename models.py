@@ -9,6 +9,7 @@ sharding, and the rollout engines (HF copy or vLLM) that hold θ_old. Nothing he
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import random
 import shutil
@@ -133,8 +134,21 @@ def build_tiny_model(vocab_size: int, seed: int):
 
 
 def load_tokenizer(name: str):
+    """The tiny tokenizer, or `name`'s. A model directory whose tokenizer has more tokens than its weights' vocabulary
+    (a checkpoint paired with another tokenizer) is refused in one line: its ids would index past the embedding."""
     from transformers import AutoTokenizer
-    return build_tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(name, padding_side="left")
+    if name == "tiny":
+        return build_tiny_tokenizer()
+    tok = AutoTokenizer.from_pretrained(name, padding_side="left")
+    config = os.path.join(os.path.expanduser(name), "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            cfg = json.load(f)
+        vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+        if isinstance(vocab, int) and len(tok) > vocab:
+            raise SystemExit(f"--model {name}: its tokenizer has {len(tok)} tokens but the weights' vocabulary "
+                             f"{vocab}: a checkpoint paired with another tokenizer")
+    return tok
 
 
 def load_model(name: str, seed: int, dtype=torch.float32):

@@ -443,8 +443,7 @@ def inject_skill(prompt_text: str, episode: str | None = None, step: str | None 
 def cut_skill(tok, skill: str | None, max_tokens: int) -> str | None:
     if not skill:
         return skill
-    ids = tok(skill, add_special_tokens=False)["input_ids"]
-    return skill if len(ids) <= max_tokens else tok.decode(ids[:max_tokens])
+    return C.cut_to_tokens(tok, skill, max_tokens)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -542,7 +541,7 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 sums["pg"] += pg.item() * m.real
                 sums["kl"] += kl.item() * m.real
                 sums["tokens"] += mb_mask.sum().item() * m.real
-            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))              # l.31
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))              # l.31
     tot = Counter(C.global_sums(sums, d))
     n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
     taught = [s for s in samples if s.teacher_ids] if args.lambda_skill > 0 else []  # what l.19 scored
@@ -553,7 +552,7 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "adv/skill_share": tot["skill_abs"] / max(tot["skill_abs"] + tot["ep_abs"], 1e-12),  # of the two
             "skill/delta_mean": tot["delta"] / n_sk, "skill/delta_abs": tot["delta_abs"] / n_sk,  # ℓ_skill − ℓ_old
             "skill/token_frac": tot["skill_tokens"] / n_all,
-            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
+            "train/minibatches": n_mb, **C.grad_norm_metrics(norms), "train/tokens": tot["tokens"],
             **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
             "perf/teacher_tokens": harness.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
             "perf/teacher_seqs": harness.sample_count(taught, d)}
@@ -625,4 +624,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(harness.parse_args(Args, PAPER, TINY))
+    harness.run_main(main, harness.parse_args(Args, PAPER, TINY))

@@ -256,8 +256,7 @@ def inject_skill(prompt_text: str, skill: str, header: str = HINDSIGHT_HEADER) -
 
 
 def cut_skill(tok, skill: str, max_tokens: int) -> str:
-    ids = tok(skill, add_special_tokens=False)["input_ids"]
-    return skill if len(ids) <= max_tokens else tok.decode(ids[:max_tokens])
+    return C.cut_to_tokens(tok, skill, max_tokens)
 
 
 def analyze(trajs, engine, args, client=None) -> list[str | None]:
@@ -331,7 +330,7 @@ def sft_train(policy, tok, data, args, d) -> dict:
                 loss = sft_loss(logp, mask, n_global) * m.scale  # FSDP averages over ranks; a dummy counts 0
                 loss.backward()
                 total += loss.item() / d.world
-            C.clip_and_step(policy, opt, args.max_grad_norm)
+            C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps)
             losses.append(C.global_sum([total], d.device)[0])
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1], "sft/steps": len(losses),
             **harness.padding_metrics(d)}
@@ -425,7 +424,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 sums["pg"] += pg.item() * m.real
                 sums["kl"] += kl.item() * m.real
                 sums["tokens"] += mask.sum().item() * m.real
-            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm))  # Alg. 1 l.29
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
     tot = C.global_sums(sums, d)
     n_opd = max(tot["opd_tokens"], 1.0)
     gate_mean = tot["gate"] / n_opd
@@ -434,7 +433,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "losses/total": (tot["pg"] + args.beta_kl * tot["kl"] + args.lambda_opd * tot["opd"]) / n_mb,
             "opd/gate_mean": gate_mean, "opd/gate_std": math.sqrt(max(tot["gate_sq"] / n_opd - gate_mean ** 2, 0)),
             "opd/delta_mean": tot["delta"] / n_opd, "opd/token_frac": tot["opd_tokens"] / max(tot["tokens"], 1),
-            "train/minibatches": n_mb, "train/grad_norm": sum(norms) / len(norms), "train/tokens": tot["tokens"],
+            "train/minibatches": n_mb, **C.grad_norm_metrics(norms), "train/tokens": tot["tokens"],
             **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
             "perf/teacher_tokens": harness.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
             "perf/teacher_seqs": harness.sample_count(taught, d)}
@@ -523,4 +522,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(harness.parse_args(Args, PAPER, TINY))
+    harness.run_main(main, harness.parse_args(Args, PAPER, TINY))

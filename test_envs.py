@@ -488,8 +488,8 @@ def test_serve_retriever_cli():
         line = proc.stderr.readline()
         url = line.strip().rsplit(" ", 1)[-1]
         assert url.startswith("http://127.0.0.1:") and url.endswith("/retrieve"), line
-        result = envs.retrieve_http(url, ["VIVA Media"], topk=1)
-        assert len(result) == 1 and len(result[0]) == 1
+        result, excess = envs.retrieve_http(url, ["VIVA Media"], topk=1)
+        assert len(result) == 1 and len(result[0]) == 1 and excess == 0
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -421,9 +421,9 @@ def test_stu_and_tea_are_scored_once_before_any_step(d, tok, batch, independent,
         events.append(("score", checksum(model), len(prompts)))
         return real_score(model, prompts, responses, *a, **kw)
 
-    def step(model, optimizer, max_norm):
+    def step(model, optimizer, max_norm, max_skips):
         events.append(("step",))
-        return real_step(model, optimizer, max_norm)
+        return real_step(model, optimizer, max_norm, max_skips)
 
     def loss(logp, old_logp, ref_logp, adv_hat, mask, *a, **kw):
         seen.append((adv_hat.detach().cpu().clone(), mask.detach().cpu().clone()))

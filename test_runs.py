@@ -186,7 +186,7 @@ def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path):
     args = opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True, eval_only=True))
     with one_rank() as d:  # eval-only: only the rows go (the model it scores may be one of these checkpoints)
         harness.Run(args, "opid", d, 1).close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "final", "metrics.jsonl", "notes",
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "args.json", "final", "metrics.jsonl", "notes",
                                                             "tensorboard", "update10", "update20.tmp", "update5"]
     args = opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True))
     rng = random.getstate(), torch.get_rng_state()
@@ -194,19 +194,20 @@ def test_overwrite_deletes_the_old_run_and_nothing_else(tmp_path):
         r = harness.Run(args, "opid", d, args.updates)
         r.close()
     assert random.getstate() == rng[0] and torch.equal(torch.get_rng_state(), rng[1])  # seeded streams untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "metrics.jsonl", "notes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "args.json", "metrics.jsonl", "notes"]
     assert (tmp_path / "metrics.jsonl").read_text() == "" and r.start == 0 and r.state is None
 
 
 def test_resume_keeps_the_rows_its_checkpoint_covers_and_recovers_its_own(tmp_path):
     """A kill between saving update 2's checkpoint and logging its row, with update 3's row half written."""
+    import models
     import opid
-    (tmp_path / "update2" / harness.STATE).mkdir(parents=True)
-    meta = {"next_update": 2, "row": {"update": 1, "x": 1.5}, "world_size": 1}
-    (tmp_path / "update2" / harness.STATE / "meta.json").write_text(json.dumps(meta))
     (tmp_path / "metrics.jsonl").write_text('{"update": 0, "x": 0.5}\n{"update": 2, "x": 9}\n{"upda')
-    args = opid.resolve(opid.Args(out_dir=str(tmp_path), resume=True, updates=4))
     with one_rank() as d:
+        model = models.load_model("tiny", 0)
+        harness.save_state(str(tmp_path / "update2"), model, models.load_tokenizer("tiny"), d,
+                           torch.optim.AdamW(model.parameters()), {"next_update": 2, "row": {"update": 1, "x": 1.5}})
+        args = opid.resolve(opid.Args(out_dir=str(tmp_path), resume=True, updates=4))
         r = harness.Run(args, "opid", d, args.updates)
         r.close()
     assert rows_of(tmp_path) == [{"update": 0, "x": 0.5}, {"update": 1, "x": 1.5}]

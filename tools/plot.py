@@ -13,10 +13,24 @@ LABEL_SKIP = {"method", "run_id", "out_dir", "resume", "overwrite", "track", "ev
 
 
 def read_run(run_dir: str) -> tuple[dict, list[dict]]:
-    with open(os.path.join(run_dir, "args.json")) as f:
-        args = json.load(f)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return args, [json.loads(line) for line in f if line.strip()]
+    """(args.json, the metrics rows); a last row cut short by a kill is left out, as --resume does (harness.read_rows);
+    any other unreadable file or line is one line naming it."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            args = json.load(f)
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{run_dir}: not a run directory ({e})") from None
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i + 1 < len(lines):
+                raise SystemExit(f"{path} line {i + 1} is not JSON: {line[:80]!r}") from None
+    return args, rows
 
 
 def run_labels(runs: list[tuple[dict, list[dict]]], dirs: list[str]) -> list[str]:
