@@ -184,6 +184,23 @@ def test_a_second_run_into_a_live_out_dir_is_refused(tmp_path):
         harness.Run(opid.resolve(opid.Args(out_dir=str(tmp_path), overwrite=True)), "opid", d, 4).close()
 
 
+@pytest.mark.slow
+def test_two_processes_into_one_out_dir_one_is_refused(tmp_path):
+    """Before: two starts both ran (rows [0, 0, 1, 1]); a --resume during a live run interleaved rows or crashed."""
+    cmd = [sys.executable, str(HERE / "opid.py"), "--out_dir", str(tmp_path), "--updates", "3", "--save_every", "1",
+           "--tasks_per_update", "2", "--group_size", "2", "--eval_every", "0"]
+    first = subprocess.Popen(cmd, cwd=HERE, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while harness.lock_holder(str(tmp_path)) is None and time.time() < deadline:
+        time.sleep(0.2)
+    for extra in (["--overwrite"], ["--resume", "--updates", "5"]):
+        second = subprocess.run(cmd + extra, cwd=HERE, env=env(), capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1 and second.stderr.strip().count("\n") == 0, second.stderr[-2000:]
+        assert f"in use by a live run (pid {first.pid} on " in second.stderr
+    assert first.wait(300) == 0, first.stderr.read()[-2000:]
+    assert [r["update"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open())] == [0, 1, 2]
+
+
 def test_the_lock_dies_with_its_process_even_by_kill_9(tmp_path):
     import multiprocessing as mp
     ready = mp.get_context("fork").Event()

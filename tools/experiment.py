@@ -35,7 +35,8 @@ report is made from.
    it cannot replay gets a generic text from the task alone (counted in /stats).
 3. Runs: GRPO (seed.py --skip_sft --lambda_opd 0), SEED (both stages; the oracle annotates stage 1, the policy
    analyzes in stage 2), OPID (oracle analyzer), GRSD (policy reflections, oracle judge); the same env, tasks per
-   update, group size, updates, learning rate, KL and seeds; eval on valid_seen and valid_unseen (120 tasks each).
+   update, group size, updates, learning rate, KL and seeds; eval on valid_seen (all 120 tasks; valid_unseen, 0 %
+   for the backbone and for GRPO, is not evaluated: shared_flags).
    The lr is the best of GRPO probes on layout seeds 100-101 (dev), which the final runs (seeds 0-4) never see.
    Every finished run is recorded at once in docs/results/runs.jsonl (its evals, training curve, seconds).
 4. Report: from runs.jsonl alone, a table of final success, the gain over the backbone and the difference to GRPO,
@@ -825,14 +826,16 @@ class Budget:
     sft_rollouts: int = 4
     seeds: tuple = (0, 1, 2, 3, 4)
     dev_seeds: tuple = (100, 101)      # layouts of the lr probes: never trained or evaluated on by the final runs
-    dev_lrs: tuple = (1e-4, 3e-4)
+    dev_lrs: tuple = (1e-5, 3e-5, 1e-4)  # 3e-4 collapsed (training success 0-6 % by update 9): docs/experiment.md
 
 
 def shared_flags(b: Budget, model: str, seed: int, out_dir: str, lr: float) -> list[str]:
+    """Every run evaluates valid_seen alone: valid_unseen's object types never occur in train, and the backbone, and
+    GRPO trained on train, score 0 of 360 episodes there (docs/experiment.md), at half of each evaluation's cost."""
     flags = dict(env="household", household_room=b.room, env_rules=b.env_rules, model=model, seed=seed,
                  out_dir=out_dir, updates=b.updates, tasks_per_update=b.tasks_per_update, group_size=b.group_size,
                  max_steps=b.max_steps, lr=lr, beta_kl=b.beta_kl, eval_every=b.eval_every, eval_tasks=b.eval_tasks,
-                 eval_split="both", max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len,
+                 eval_split="valid_seen", max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len,
                  micro_batch=16, minibatch_turns=b.minibatch_turns, save_every=1000, engine="hf")
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))] + ["--overwrite"]
 
@@ -965,21 +968,27 @@ def fmt_ci(mu: float, half: float | None, pct: bool = True) -> str:
     return f"{k * mu:+.1f} [{k * (mu - half):+.1f}, {k * (mu + half):+.1f}]" if half is not None else f"{k * mu:+.1f}"
 
 
+def splits_in(records: list[dict]) -> list[str]:
+    """The held-out splits the records were evaluated on (valid_unseen only in runs from before it was dropped)."""
+    return [split for split in ("valid_seen", "valid_unseen") if any(split in e for r in records for e in r["evals"])]
+
+
 def comparison_table(records: list[dict]) -> str:
-    """Final runs: per method, final success on both splits (mean ± sd over seeds), the gain over the backbone and the
+    """Final runs: per method, final success per split (mean ± sd over seeds), the gain over the backbone and the
     difference to GRPO, both paired by seed with their 95 % t intervals (points), and minutes per run."""
     final = [r for r in records if r["phase"] == "final"]
     base = {r["seed"]: r for r in final if r["method"] == "backbone"}
     grpo = {r["seed"]: r for r in final if r["method"] == "grpo"}
-    head = ["method", "seeds", "valid_seen final", "gain over backbone (95 % CI)", "− GRPO, paired (95 % CI)",
-            "valid_unseen final", "unseen gain over backbone", "unseen − GRPO", "min/run"]
+    splits = splits_in(final)
+    head = ["method", "seeds"] + [h for split in splits for h in (
+        f"{split} final", f"{split} gain over backbone (95 % CI)", f"{split} − GRPO, paired (95 % CI)")] + ["min/run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in ("backbone",) + METHODS:
         runs = sorted((r for r in final if r["method"] == m), key=lambda r: r["seed"])
         if not runs:
             continue
         cells = [m, str(len(runs))]
-        for split in ("valid_seen", "valid_unseen"):
+        for split in splits:
             vals = [final_eval(r, split) for r in runs]
             mu, sd = mean_std(vals)
             gain = [v - final_eval(base[r["seed"]], split) for r, v in zip(runs, vals) if r["seed"] in base]
@@ -1014,14 +1023,15 @@ def best_dev_lr(records: list[dict]) -> float | None:
 
 
 def plot(records: list[dict], out_png: str):
-    """valid_seen / valid_unseen success per update (update 0: the backbone) and training success, mean ± std."""
+    """Held-out success per update (update 0: the backbone) and training success, mean ± std over seeds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     final = [r for r in records if r["phase"] == "final"]
     base = {r["seed"]: r["evals"][-1] for r in final if r["method"] == "backbone"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, split in zip(axes[:2], ("valid_seen", "valid_unseen")):
+    splits = splits_in(final)
+    fig, axes = plt.subplots(1, len(splits) + 1, figsize=(5 * (len(splits) + 1), 4.5))
+    for ax, split in zip(axes[:-1], splits):
         for m in METHODS:
             runs = [r for r in final if r["method"] == m and r["seed"] in base]
             if not runs:
@@ -1036,10 +1046,10 @@ def plot(records: list[dict], out_png: str):
         runs = [r for r in final if r["method"] == m]
         if runs:
             xs = sorted(set.intersection(*[{t["update"] for t in r["train"]} for r in runs]))
-            ax = axes[2]
+            ax = axes[-1]
             ax.plot(xs, [100 * mean_std([next(t["success"] for t in r["train"] if t["update"] == x) for r in runs])[0]
                          for x in xs], label=m)
-    axes[2].set(title="training success % (mean over seeds)", xlabel="update")
+    axes[-1].set(title="training success % (mean over seeds)", xlabel="update")
     for ax in axes:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=8)
