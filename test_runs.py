@@ -83,7 +83,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tm
     proc.wait()
     assert not (killed / "final").exists(), "killed too late: the run had finished"
     logged = [r.get("update", -1) for r in rows_of(killed)]
-    state = harness.latest_state(str(killed))
+    state = harness.latest_state(str(killed))[0]
     done = harness.read_meta(state)["next_update"]
     assert max(logged) <= done - 1  # nothing logged past the checkpoint: at most the update in flight is lost
 
@@ -93,6 +93,39 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(method, first_state, tm
     a, b = weights(straight / "final"), weights(killed / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(p.name.endswith(".tmp") for p in killed.iterdir())
+
+
+def two_nodes(method, out, *extra):
+    """The same run as torchrun(), as 2 nodes × 1 process: two launchers (node ranks 0 and 1) meeting at a c10d
+    rendezvous on 127.0.0.1, sharing out_dir as nodes share a filesystem. Returns node 0's stdout."""
+    port = free_port()
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+             str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
+             str(HERE / f"{method}.py"), "--out_dir", str(out), *BASE, *FAST[method], *extra] for node in (0, 1)]
+    procs = [subprocess.Popen(c, cwd=HERE, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return "".join(o for o, _ in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["seed", "opid", "grsd"])
+def test_two_nodes_checkpoint_resume_and_match_one_node(method, tmp_path):
+    """2 nodes × 1 process: 1 update (one checkpoint, final/), then --resume to 2 updates; the rows and the final
+    weights equal one node with 2 processes running both updates straight (the same ranks, the same gloo maths)."""
+    flags = ["--eval_every", "1"]
+    one, two = tmp_path / "one_node", tmp_path / "two_nodes"
+    run(torchrun(method, one, *flags, "--updates", "2"))
+    two_nodes(method, two, *flags, "--updates", "1")
+    saved = sorted(p.name for p in two.iterdir() if (p / "config.json").is_file())
+    assert saved == (["final", "stage1"] if method == "seed" else ["final"])  # SEED keeps θ_sft as stage1/
+    out = two_nodes(method, two, *flags, "--updates", "2", "--resume")
+    assert f"resuming {two / 'update1'} at update 1" in out
+    assert untimed(rows_of(two)) == untimed(rows_of(one))
+    a, b = weights(one / "final"), weights(two / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 KILL_IN_SECOND_MODEL_SAVE = """
@@ -118,7 +151,7 @@ def test_a_kill_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     partial = out / "update2.tmp"
     assert (partial / harness.STATE / "rng_rank0.pt").is_file() and not (partial / harness.STATE / "meta.json").exists()
-    assert not (out / "update2").exists() and harness.latest_state(str(out)) == str(out / "update1")
+    assert not (out / "update2").exists() and harness.latest_state(str(out))[0] == str(out / "update1")
     assert [r["update"] for r in rows_of(out)] == [0]
 
     res = run(python("opid", out, *flags, "--resume"))
