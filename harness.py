@@ -543,6 +543,11 @@ class Run:
                     self._prune(keep=name)
         row.update(timer.as_metrics())
         row["time/total"] = time.perf_counter() - t0
+        if self.d.device.type == "cuda":  # the update's peak GPU memory, the largest over ranks
+            peak = torch.tensor([torch.cuda.max_memory_allocated(self.d.device) / 2 ** 30], device=self.d.device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            row["perf/gpu_peak_gib"] = peak.item()
+            torch.cuda.reset_peak_memory_stats(self.d.device)
         self.log(row)
 
     def _prune(self, keep: str):

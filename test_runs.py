@@ -431,3 +431,15 @@ def test_bench_prices_unavoidable_work_at_grpos_rates():
     times = [{"time/total": t, "time/save": 0.5} for t in (11.0, 12.0, 13.0)]
     base = [{"time/total": t, "time/save": 0.5} for t in (10.0, 10.0, 11.0)]
     assert bench.paired_spread(times, base) == pytest.approx(3 ** -0.5)  # differences 1, 2, 2: sd √(1/3)
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_passes_its_own_checks(tmp_path):
+    """tools/gpu_check.py --cpu-smoke: one update of each method (tiny, gloo) under torchrun, its table, the checks
+    (finite losses, no skipped step) and the bf16-vs-fp32 scoring gap, so the GPU script cannot rot unrun."""
+    res = run([sys.executable, str(HERE / "tools" / "gpu_check.py"), "--cpu-smoke", "--out", str(tmp_path)], timeout=600)
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [r.split(" | ")[1] for r in rows] == ["grpo", "seed", "opid", "grsd"]
+    teacher = {r.split(" | ")[1]: float(r.split(" | ")[11]) for r in rows}
+    assert teacher["opid"] > 0 and teacher["seed"] > 0  # the teacher branches ran (the oracle's skills)
+    assert "all checks passed" in res.stdout and "bf16 vs fp32 scoring gap, mean 0.00" in res.stdout
