@@ -1,6 +1,6 @@
 """A GPU check at real shape, in one command, for the first machine with a GPU (no downloads, no vLLM needed).
 
-  python tools/gpu_check.py               # 1 GPU: nccl, bf16, activation checkpointing (≤ 8 min on one H200)
+  python tools/gpu_check.py               # 1 GPU: nccl, bf16, activation checkpointing (sized for ≤ 8 min on an H200)
   python tools/gpu_check.py --cpu-smoke   # the same checks with the tiny model on CPU (gloo, fp32): CI runs it
 
 For each model — `tiny`, then (not in the smoke) a randomly initialised model of Qwen2.5-3B-Instruct's exact shape
