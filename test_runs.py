@@ -443,3 +443,15 @@ def test_gpu_check_cpu_smoke_passes_its_own_checks(tmp_path):
     teacher = {r.split(" | ")[1]: float(r.split(" | ")[11]) for r in rows}
     assert teacher["opid"] > 0 and teacher["seed"] > 0  # the teacher branches ran (the oracle's skills)
     assert "all checks passed" in res.stdout and "bf16 vs fp32 scoring gap, mean 0.00" in res.stdout
+
+
+def test_threads_sets_torch_threads_for_the_run():
+    import opid
+    seen, before = [], torch.get_num_threads()
+    try:
+        harness.run_main(lambda a: seen.append(torch.get_num_threads()), opid.Args(threads=1))
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
+    with pytest.raises(SystemExit, match="--threads must be ≥ 1"):
+        opid.resolve(opid.Args(threads=0))
