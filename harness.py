@@ -415,6 +415,10 @@ class Tracker:
         self.w.close() if self.kind == "tensorboard" else self.w.finish()
 
 
+SHOWN = ("env", "model", "engine", "updates", "tasks_per_update", "group_size", "max_steps", "max_prompt_len",
+         "max_response_len", "lr", "eval_every", "eval_tasks", "eval_split", "threads", "out_dir")  # Run's first line
+
+
 def lock_holder(out_dir: str) -> str | None:
     """Who holds out_dir's run lock (lock_out_dir), or None; creates nothing (check_run_args asks it first)."""
     import fcntl
@@ -479,6 +483,9 @@ class Run:
         first_step = self.start + 1 if self.state else 0 if args.resume else None  # TensorBoard drops redone steps
         self.tracker = Tracker(args.track, self.out, f"{method}:{os.path.basename(os.path.abspath(self.out))}", run_id,
                                vars(args), first_step) if d.main and args.track != "none" else None
+        if d.main:  # what the presets resolved to (a real model on household gets paper scale unless told)
+            shown = {k: torch.get_num_threads() if k == "threads" else getattr(args, k) for k in SHOWN if hasattr(args, k)}
+            print(f"[{method}] " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
         self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
 
@@ -515,6 +522,11 @@ class Run:
         with open(os.path.join(out, "args.json"), "w") as f:  # (os.urandom: the seeded streams stay untouched)
             json.dump({"method": self.method, "run_id": run_id, **vars(args)}, f, indent=1)
         return rows, run_id, [state, start]
+
+    def note(self, text: str):
+        """A progress line above the bar (rank 0), for phases the bar does not count (SEED's stage 1)."""
+        if self.d.main:
+            self.bar.write(f"[{self.method}] {text}")
 
     def log(self, row: dict):
         """Append one row (rank 0); the bar shows training success, total loss and the latest eval success."""
@@ -1005,7 +1017,7 @@ def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
         default = f.default
         if default is None:
-            per_env = [f"{env} {v[f.name]}" for env, v in (paper or {}).items() if f.name in v and env != "household"]
+            per_env = [f"{env} {v[f.name]}" for env, v in (paper or {}).items() if f.name in v]
             per_env += [f"tiny model {tiny[f.name]}"] if f.name in (tiny or {}) else []
             default = ", ".join(per_env) or None
         help_text = f.metadata.get("help", "")

@@ -280,10 +280,12 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
     timer, t0 = harness.Timer(), time.perf_counter()
     policy = models.shard(models.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
     tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
+    run.note(f"stage 1: {args.sft_tasks} tasks × {args.sft_rollouts} rollouts with the base policy")
     with timer("rollout"):
         trajs, _ = C.collect(engine, make_env, tasks, args.sft_rollouts, args.max_prompt_len, args.max_response_len,
                              args.temperature, args.top_p)
     client = harness.make_client(args.annotator_url, args.annotator_model, "annotator", args)
+    run.note(f"stage 1: annotating {len(trajs) * d.world} trajectories ({args.annotator_url or 'the policy itself'})")
     with timer("analysis"):
         skills = analyze(trajs, engine, args, client)
     engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the SFT steps
@@ -298,6 +300,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
             print(f"[seed] stage 1: 0 of {int(n_traj)} trajectories got a well-formed skill; SFT skipped")
         row["sft/skipped"] = 1
     else:
+        run.note(f"stage 1: SFT on {int(n_sft)} skills ({args.sft_epochs} epochs)")
         with timer("update"):
             row.update(sft_train(policy, tok, data, args, d))
     path = os.path.join(args.out_dir, "stage1")

@@ -346,8 +346,8 @@ def test_help_shows_defaults_and_what_none_resolves_to(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         harness.parse_args(opid.Args, opid.PAPER, opid.TINY)
     out = " ".join(capsys.readouterr().out.split())
-    assert "[default: alfworld 150, search 150, webshop 150, tiny model 2]" in out  # --updates
-    assert "[default: alfworld 0.01, search 0.001, webshop 0.01]" in out            # --beta_kl
+    assert "[default: alfworld 150, search 150, webshop 150, household 150, tiny model 2]" in out  # --updates
+    assert "[default: alfworld 0.01, search 0.001, webshop 0.01, household 0.01]" in out            # --beta_kl
     assert "[default: 0.001]" in out and "{critical_first,episode_only,step_only,additive}" in out
 
 
