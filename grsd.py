@@ -300,16 +300,19 @@ class Sample:
     engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (turns, vLLM): --rollout_is
 
 
-def generate_texts(engine, texts: list[str], max_prompt: int, max_new: int, temperature: float, top_p: float = 1.0,
-                   counts: Counter | None = None, key: str = ""):
-    """θ_old in a non-acting role; returns (prompt ids, response ids, decoded text) per input. Over-long prompts lose
-    their middle (common.encode_prompt); how many is added to counts[key]."""
+def generate_texts(engine, kind: str, texts: list[str], max_prompt: int, max_new: int, temperature: float,
+                   top_p: float = 1.0, counts: Counter | None = None):
+    """θ_old in a non-acting role (kind: reflection or guidance); returns (prompt ids, response ids, decoded text) per
+    input, recorded for --log_samples (harness.record). Over-long prompts lose their middle (common.encode_prompt);
+    how many is added to counts[f"{kind}_truncated"]."""
     encoded = [C.encode_prompt(engine.tok, t, max_prompt) for t in texts]
     if counts is not None:
-        counts[key] += sum(used != t for t, (_, used) in zip(texts, encoded))
+        counts[f"{kind}_truncated"] += sum(used != t for t, (_, used) in zip(texts, encoded))
     prompts = [ids for ids, _ in encoded]
     responses = engine.generate(prompts, max_new, temperature, top_p) if prompts else []
-    return prompts, responses, [engine.tok.decode(r, skip_special_tokens=True) for r in responses]
+    texts = [engine.tok.decode(r, skip_special_tokens=True) for r in responses]
+    harness.record(kind, [used for _, used in encoded], texts, [not r or r[-1] not in engine.stops for r in responses])
+    return prompts, responses, texts
 
 
 def reflect_and_judge(trajs, engine, args, client, timer, counts: Counter | None = None):
@@ -317,17 +320,14 @@ def reflect_and_judge(trajs, engine, args, client, timer, counts: Counter | None
     the rollouts (temperature, top_p), so ρ on reflection tokens is a ratio to the distribution that sampled them
     exactly when those are 1 (as for the task tokens)."""
     with timer("reflection"):
-        p_ids, r_ids, texts = generate_texts(engine, [reflection_prompt(tr, args.obs_chars) for tr in trajs],
-                                             args.reflection_prompt_len, args.reflection_max_tokens, args.temperature,
-                                             args.top_p, counts, "reflection_truncated")
+        asks = [reflection_prompt(tr, args.obs_chars) for tr in trajs]
+        p_ids, r_ids, texts = generate_texts(engine, "reflection", asks, args.reflection_prompt_len,
+                                             args.reflection_max_tokens, args.temperature, args.top_p, counts)
     reflections = [parse_reflection(t) for t in texts]
     rows = [i for i, s in enumerate(reflections) if s is not None]
     asks = [judge_prompt(trajs[i], reflections[i], args.obs_chars) for i in rows]
     with timer("judge"):
-        if client is not None:
-            replies = client.complete_many(asks, 0.0, args.judge_max_tokens)
-        else:
-            replies = engine.generate_text(asks, args.reflection_prompt_len, args.judge_max_tokens, 0.0) if asks else []
+        replies = harness.ask("judge", asks, client, engine, args.reflection_prompt_len, args.judge_max_tokens, 0.0)
     scores: list[int | None] = [None] * len(trajs)
     for i, reply in zip(rows, replies):
         scores[i] = parse_judge(reply)
@@ -356,8 +356,8 @@ def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Coun
     elif active:
         asks = [guidance_prompt(task[g], good[g], [] if args.guidance == "success_only" else bad[g]) for g in active]
         with timer("guidance"):                                                                      # Eq. (6)
-            _, _, texts = generate_texts(engine, asks, args.reflection_prompt_len, args.reflection_max_tokens,
-                                         args.temperature, args.top_p, counts, "guidance_truncated")
+            _, _, texts = generate_texts(engine, "guidance", asks, args.reflection_prompt_len,
+                                         args.reflection_max_tokens, args.temperature, args.top_p, counts)
         guidance.update({g: (C.strip_thinking(z).strip() or None) for g, z in zip(active, texts)})
     return mixed, guidance, sum(guidance[g] is None for g in active)
 
@@ -534,6 +534,7 @@ def main(args: Args):
         with timer("rollout"):                                                       # l.3
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
+        harness.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
         groups = sorted({tr.group for tr in trajs})
         adv = group_norm(trajs, [tr.reward for tr in trajs], args.eps_adv)          # l.4: A_i = Norm_G(R_i)
         counts = Counter()

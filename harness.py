@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import common as C
 import envs
-from common import Dist, global_sum, total_failure
+from common import Dist, global_sum, global_sums, total_failure
 from models import make_engine, vllm_available
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def clear_run(out_dir: str, rows_only: bool = False):
         ckpt = os.path.isdir(p) and (name == "tensorboard" or name.endswith(".tmp") or
                                      os.path.isfile(os.path.join(p, "config.json")) or
                                      os.path.isdir(os.path.join(p, STATE)))
-        if name in ("metrics.jsonl", "args.json"):
+        if name in ("metrics.jsonl", "args.json", "samples.jsonl"):
             os.remove(p)
         elif ckpt and not rows_only:
             shutil.rmtree(p)
@@ -282,9 +282,10 @@ MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields
     "guidance_max_tokens": (1, "tokens"), "max_critical": (0, "critical steps"), "analyzer_retries": (0, "re-asks"),
     "record_chars": (1, "characters"), "obs_chars": (1, "characters"), "endpoint_timeout": (0.001, "seconds"),
     "endpoint_retries": (0, "extra attempts"), "retriever_timeout": (0.001, "seconds"),
-    "retriever_retries": (0, "extra attempts"), "max_skipped_steps": (1, "steps"), "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
+    "retriever_retries": (0, "extra attempts"), "max_skipped_steps": (1, "steps"),
+    "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
     "gpu_memory_utilization": (0.01, "fraction of GPU memory"), "cpu_kv_cache_gb": (0.01, "GiB"),
-    "threads": (1, "threads")}
+    "threads": (1, "threads"), "log_samples": (0, "samples per kind")}
 POSITIVE = {"lr": "a step size", "sft_lr": "a step size", "clip_eps": "ρ is clipped to [1 − ε, 1 + ε]",
             "max_grad_norm": "a negative norm flips every gradient, 0 zeroes them"}
 # the benchmarks that need a data folder, and the variable that can name it
@@ -459,6 +460,64 @@ def lock_out_dir(out_dir: str):
     return f
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# --log_samples: what the policy and the endpoints wrote, a few per update, and how many replies hit their cap
+# ----------------------------------------------------------------------------------------------------------------
+
+SAMPLE_KINDS = ("turn", "analysis", "reflection", "judge", "guidance")
+SAMPLES = {"limit": 0, "kept": {k: [] for k in SAMPLE_KINDS}, "count": {k: [0, 0] for k in SAMPLE_KINDS}}
+
+
+def record(kind: str, prompts: list[str], replies: list, capped: list | int | None = None):
+    """One batch of a role's replies on this rank: counted (replies, and those cut at their token limit: per reply,
+    or a number from an endpoint's finish_reason) for the update's row, the first --log_samples kept for
+    samples.jsonl. Run.end_update empties both."""
+    per_reply = capped if isinstance(capped, list) else None
+    count = SAMPLES["count"][kind]
+    count[0] += len(replies)
+    count[1] += sum(map(bool, per_reply)) if per_reply is not None else int(capped or 0)
+    kept = SAMPLES["kept"][kind]
+    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+        if len(kept) >= SAMPLES["limit"]:
+            break
+        kept.append({"prompt_tail": prompt[-600:], "reply": reply, "capped": per_reply[i] if per_reply else None})
+
+
+def ask(kind: str, prompts: list[str], client, engine, max_prompt: int, max_tokens: int, temperature: float):
+    """A non-acting role's replies, from its endpoint if given, else from the policy (engine.generate_text), recorded
+    (record) under `kind`. An endpoint's failed request is None."""
+    if client is not None:
+        before = client.capped_replies
+        replies = client.complete_many(prompts, temperature, max_tokens)
+        capped = client.capped_replies - before
+    else:
+        replies = engine.generate_text(prompts, max_prompt, max_tokens, temperature) if prompts else []
+        capped = getattr(engine, "capped", None) if prompts else []
+    record(kind, prompts, replies, capped)
+    return replies
+
+
+def record_turns(trajs, stops: list[int]):
+    """The acting turns of the update (one per trajectory first, so the samples span tasks): their replies, parsed
+    actions and validity; a reply without a stop token hit --max_response_len."""
+    turns = [(tr, t) for k in range(max((len(tr.turns) for tr in trajs), default=0)) for tr in trajs
+             if k < len(tr.turns) for t in [tr.turns[k]]]
+    start = len(SAMPLES["kept"]["turn"])
+    record("turn", [t.prompt_text for _, t in turns], [t.response_text for _, t in turns],
+           [not t.response_ids or t.response_ids[-1] not in stops for _, t in turns])
+    for row, (tr, t) in zip(SAMPLES["kept"]["turn"][start:], turns):
+        row.update(task=tr.task, action=t.action, valid=t.valid, reward=t.reward)
+
+
+def sample_rows(update: int, d: Dist) -> tuple[dict, list[dict]]:
+    """Write rank 0's kept samples to samples.jsonl (by Run) and return the counts summed over ranks; reset."""
+    counts = global_sums({f"replies/{k}{x}": SAMPLES["count"][k][i] for k in SAMPLE_KINDS
+                          for i, x in enumerate(("", "_capped"))}, d)
+    kept = [{"update": update, "kind": k, **x} for k in SAMPLE_KINDS for x in SAMPLES["kept"][k]]
+    SAMPLES["kept"], SAMPLES["count"] = {k: [] for k in SAMPLE_KINDS}, {k: [0, 0] for k in SAMPLE_KINDS}
+    return {k: v for k, v in counts.items() if counts[k.removesuffix("_capped")]}, kept  # the kinds this method has
+
+
 class Run:
     """A run's out_dir from start to end: refuses to clobber an earlier run (check_run_args), with --resume picks
     the latest complete checkpoint and keeps the metrics rows it covers, writes args.json, one row per update to
@@ -484,10 +543,12 @@ class Run:
         self.tracker = Tracker(args.track, self.out, f"{method}:{os.path.basename(os.path.abspath(self.out))}", run_id,
                                vars(args), first_step) if d.main and args.track != "none" else None
         if d.main:  # what the presets resolved to (a real model on household gets paper scale unless told)
-            shown = {k: torch.get_num_threads() if k == "threads" else getattr(args, k) for k in SHOWN if hasattr(args, k)}
+            shown = {k: torch.get_num_threads() if k == "threads" else getattr(args, k)
+                     for k in SHOWN if hasattr(args, k)}
             print(f"[{method}] " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
         self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
+        SAMPLES["limit"] = getattr(args, "log_samples", 0)
 
     def _prepare(self):
         """Rank 0: --overwrite clears the earlier run, --resume finds its checkpoint and keeps the rows before it
@@ -518,6 +579,14 @@ class Run:
         with open(self.path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(self.path + ".tmp", self.path)
+        samples = os.path.join(out, "samples.jsonl")
+        if args.resume and os.path.isfile(samples):  # the updates about to be redone write theirs again
+            with open(samples) as f:
+                keep = [line for line in f if line.strip().startswith("{") and line.strip().endswith("}")
+                        and json.loads(line).get("update", 0) < start]
+            with open(samples + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(samples + ".tmp", samples)
         run_id = old.get("run_id") or f"{self.method}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
         with open(os.path.join(out, "args.json"), "w") as f:  # (os.urandom: the seeded streams stay untouched)
             json.dump({"method": self.method, "run_id": run_id, **vars(args)}, f, indent=1)
@@ -554,6 +623,11 @@ class Run:
                            {"next_update": update + 1, "row": {**row, **timer.as_metrics()}})
                 if self.d.main:
                     self._prune(keep=name)
+        counts, kept = sample_rows(update, self.d)
+        row.update(counts)
+        if kept and self.d.main:
+            with open(os.path.join(self.out, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(x) + "\n" for x in kept)
         row.update(timer.as_metrics())
         row["time/total"] = time.perf_counter() - t0
         if self.d.device.type == "cuda":  # the update's peak GPU memory, the largest over ranks
@@ -641,6 +715,7 @@ class ChatClient:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.role, self.api_key, self.timeout, self.retries = model, role, api_key, timeout, retries
         self.workers, self.requests, self.failures, self._lock = workers, 0, 0, threading.Lock()
+        self.capped_replies = 0  # replies whose finish_reason was "length", over the client's life
 
     def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> str | None:
         body = json.dumps({"model": self.model, "messages": messages, "temperature": temperature,
@@ -650,8 +725,11 @@ class ChatClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         for attempt in range(1 + self.retries):
             try:
-                content = json.loads(envs.post_within(self.url, body, headers, self.timeout))
-                content = content["choices"][0]["message"]["content"]
+                choice = json.loads(envs.post_within(self.url, body, headers, self.timeout))["choices"][0]
+                content = choice["message"]["content"]
+                if choice.get("finish_reason") == "length":  # cut at max_tokens (harness.record counts it)
+                    with self._lock:
+                        self.capped_replies += 1
                 if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                     content = "".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
                 if isinstance(content, str):
@@ -951,6 +1029,8 @@ class RunArgs:
     # The run
     out_dir: str = arg("runs/run", "metrics.jsonl and the checkpoints go here")
     seed: int = arg(0, "random seed")
+    log_samples: int = arg(0, "per update, write this many sampled turns and analyses / reflections / judge replies / "
+                               "guidance of each kind to out_dir/samples.jsonl")
     threads: int | None = arg(None, "torch CPU threads per process (default: torch's, one per core; on a busy or "
                                     "small machine 1 can be several times faster)")
     max_skipped_steps: int = arg(3, "optimizer steps in a row skipped for a non-finite gradient norm (NaN/inf loss "

@@ -243,9 +243,11 @@ class HFEngine:
         return self.generate(prompts, max_new_tokens, temperature, top_p), None
 
     def generate_text(self, user_texts: list[str], max_prompt: int, max_new_tokens: int, temperature: float):
-        """The policy in a non-acting role (analyzer, annotator, judge): chat prompt in, text out."""
+        """The policy in a non-acting role (analyzer, annotator, judge): chat prompt in, text out. self.capped: which
+        replies ran out of tokens before a stop token (harness.record counts them)."""
         prompts = [encode_prompt(self.tok, t, max_prompt)[0] for t in user_texts]
         resp = self.generate(prompts, max_new_tokens, temperature)
+        self.capped = [not r or r[-1] not in self.stops for r in resp]
         return [self.tok.decode(r, skip_special_tokens=True) for r in resp]
 
     def sleep(self):

@@ -369,11 +369,8 @@ def analyze(trajs, engine, args, client=None) -> tuple[list[Analysis | None], Co
             break
         events["requests"] += len(pending)
         batch = [prompts[i] for i in pending]
-        if client is not None:
-            replies = client.complete_many(batch, args.analyzer_temperature, args.analyzer_max_tokens)
-        else:
-            replies = engine.generate_text(batch, 2 * args.max_prompt_len, args.analyzer_max_tokens,
-                                           args.analyzer_temperature)
+        replies = harness.ask("analysis", batch, client, engine, 2 * args.max_prompt_len, args.analyzer_max_tokens,
+                              args.analyzer_temperature)
         still = []
         for i, reply in zip(pending, replies):
             if reply is None:  # the endpoint failed after its own retries: counted in endpoint/analyzer/*, no re-ask
@@ -602,6 +599,7 @@ def main(args: Args):
         with timer("rollout"):                                                       # l.7: G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
+        harness.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
         with timer("analysis"):                                                      # l.12: A(τ)
             if args.lambda_skill == 0:  # plain GRPO: skills would be unused
                 analyses, events = [None] * len(trajs), Counter()

@@ -262,10 +262,7 @@ def cut_skill(tok, skill: str, max_tokens: int) -> str:
 def analyze(trajs, engine, args, client=None) -> list[str | None]:
     """s_τ = A(x_τ) for every trajectory: an external endpoint if given, else the policy snapshot itself."""
     inputs = [trajectory_input(tr) for tr in trajs]
-    if client is not None:
-        replies = client.complete_many(inputs, temperature=0.0, max_tokens=args.annotator_max_tokens)
-    else:
-        replies = engine.generate_text(inputs, 2 * args.max_prompt_len, args.annotator_max_tokens, temperature=0.0)
+    replies = harness.ask("analysis", inputs, client, engine, 2 * args.max_prompt_len, args.annotator_max_tokens, 0.0)
     return [parse_skill(r) for r in replies]
 
 
@@ -493,6 +490,7 @@ def main(args: Args):
         with timer("rollout"):                                                       # l.9: G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p, train_context)
+        harness.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
         with timer("analysis"):                                                      # l.13: s = A_θold(x_τ)
             if args.lambda_opd == 0 and args.rlsd_lambda == 0:  # 'w/o OPD' ablation, GRPO: skills would be unused
                 skills = [None] * len(trajs)

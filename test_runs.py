@@ -455,3 +455,37 @@ def test_threads_sets_torch_threads_for_the_run():
     assert seen == [1]
     with pytest.raises(SystemExit, match="--threads must be ≥ 1"):
         opid.resolve(opid.Args(threads=0))
+
+
+def test_record_keeps_the_first_n_and_counts_every_capped_reply():
+    harness.SAMPLES["limit"] = 2
+    try:
+        harness.record("analysis", ["p1", "p2", "p3"], ["a", "b", "c"], [True, False, True])
+        harness.record("judge", ["q1"], ["3"], 1)  # an endpoint: a count from finish_reason, per reply unknown
+        with one_rank() as d:
+            counts, kept = harness.sample_rows(4, d)
+    finally:
+        harness.SAMPLES["limit"] = 0
+    assert counts == {"replies/analysis": 3, "replies/analysis_capped": 2, "replies/judge": 1,
+                      "replies/judge_capped": 1}
+    assert kept == [{"update": 4, "kind": "analysis", "prompt_tail": "p1", "reply": "a", "capped": True},
+                    {"update": 4, "kind": "analysis", "prompt_tail": "p2", "reply": "b", "capped": False},
+                    {"update": 4, "kind": "judge", "prompt_tail": "q1", "reply": "3", "capped": None}]
+    assert all(v == [] for v in harness.SAMPLES["kept"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,kinds", [("seed", {"turn", "analysis"}), ("opid", {"turn", "analysis"}),
+                                          ("grsd", {"turn", "reflection"})])
+def test_log_samples_writes_readable_samples_and_counts_capped_replies(method, kinds, tmp_path):
+    run(python(method, tmp_path, "--updates", "1", "--eval_every", "0", "--log_samples", "4"))
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").open()]
+    assert {s["kind"] for s in samples} >= kinds and all(s["update"] == 0 for s in samples)
+    for kind in kinds:
+        these = [s for s in samples if s["kind"] == kind]
+        assert 1 <= len(these) <= 4 and all(isinstance(s["reply"], str) and s["prompt_tail"] for s in these)
+    turns = [s for s in samples if s["kind"] == "turn"]
+    assert all({"task", "action", "valid", "reward", "capped"} <= set(s) for s in turns)
+    (row,) = [r for r in rows_of(tmp_path) if r.get("update") == 0 and "replies/turn" in r]
+    assert row["replies/turn_capped"] == row["rollout/unterminated_responses"]  # the same count, two ways
+    assert row["replies/turn"] == row["perf/rollout_turns"]
