@@ -468,6 +468,10 @@ SAMPLE_KINDS = ("turn", "analysis", "reflection", "judge", "guidance")
 SAMPLES = {"limit": 0, "kept": {k: [] for k in SAMPLE_KINDS}, "count": {k: [0, 0] for k in SAMPLE_KINDS}}
 
 
+def reset_samples(limit: int):
+    SAMPLES.update(limit=limit, kept={k: [] for k in SAMPLE_KINDS}, count={k: [0, 0] for k in SAMPLE_KINDS})
+
+
 def record(kind: str, prompts: list[str], replies: list, capped: list | int | None = None):
     """One batch of a role's replies on this rank: counted (replies, and those cut at their token limit: per reply,
     or a number from an endpoint's finish_reason) for the update's row, the first --log_samples kept for
@@ -514,7 +518,7 @@ def sample_rows(update: int, d: Dist) -> tuple[dict, list[dict]]:
     counts = global_sums({f"replies/{k}{x}": SAMPLES["count"][k][i] for k in SAMPLE_KINDS
                           for i, x in enumerate(("", "_capped"))}, d)
     kept = [{"update": update, "kind": k, **x} for k in SAMPLE_KINDS for x in SAMPLES["kept"][k]]
-    SAMPLES["kept"], SAMPLES["count"] = {k: [] for k in SAMPLE_KINDS}, {k: [0, 0] for k in SAMPLE_KINDS}
+    reset_samples(SAMPLES["limit"])
     return {k: v for k, v in counts.items() if counts[k.removesuffix("_capped")]}, kept  # the kinds this method has
 
 
@@ -548,7 +552,7 @@ class Run:
             print(f"[{method}] " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
         self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
-        SAMPLES["limit"] = getattr(args, "log_samples", 0)
+        reset_samples(getattr(args, "log_samples", 0))  # (nothing recorded before the run counts)
 
     def _prepare(self):
         """Rank 0: --overwrite clears the earlier run, --resume finds its checkpoint and keeps the rows before it

@@ -105,6 +105,7 @@ class ScriptedEngine:
 
     def __init__(self, tok, texts):
         self.tok, self.texts, self.prompts, self.calls = tok, texts, [], []
+        self.stops = models.stop_token_ids(tok)  # (the engine contract: collect and generate_texts read it)
 
     def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
         self.prompts += prompts

@@ -458,14 +458,14 @@ def test_threads_sets_torch_threads_for_the_run():
 
 
 def test_record_keeps_the_first_n_and_counts_every_capped_reply():
-    harness.SAMPLES["limit"] = 2
+    harness.reset_samples(2)
     try:
         harness.record("analysis", ["p1", "p2", "p3"], ["a", "b", "c"], [True, False, True])
         harness.record("judge", ["q1"], ["3"], 1)  # an endpoint: a count from finish_reason, per reply unknown
         with one_rank() as d:
             counts, kept = harness.sample_rows(4, d)
     finally:
-        harness.SAMPLES["limit"] = 0
+        harness.reset_samples(0)
     assert counts == {"replies/analysis": 3, "replies/analysis_capped": 2, "replies/judge": 1,
                       "replies/judge_capped": 1}
     assert kept == [{"update": 4, "kind": "analysis", "prompt_tail": "p1", "reply": "a", "capped": True},
