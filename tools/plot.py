@@ -67,6 +67,7 @@ def plot_runs(run_dirs: list[str], out: str):
             elif level:
                 ax.axhline(level[-1], ls="--", color="gray", label=f"{label} (eval-only)")
         ax.set(title=title, xlabel="updates done")
+        ax.xaxis.get_major_locator().set_params(integer=True)  # updates are whole numbers (not 1.2, 1.4)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
