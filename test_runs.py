@@ -489,3 +489,40 @@ def test_log_samples_writes_readable_samples_and_counts_capped_replies(method, k
     (row,) = [r for r in rows_of(tmp_path) if r.get("update") == 0 and "replies/turn" in r]
     assert row["replies/turn_capped"] == row["rollout/unterminated_responses"]  # the same count, two ways
     assert row["replies/turn"] == row["perf/rollout_turns"]
+
+
+def readme_laptop_commands() -> list[str]:
+    """The README's shell lines that run on a laptop: python / torchrun of this repo's scripts, in order; not pip, not
+    pytest, not the GPU node's (8 processes, a benchmark data path)."""
+    import re
+    text = (HERE / "README.md").read_text()
+    lines = [ln.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for ln in block.splitlines()]
+    return [ln for ln in lines if ln.startswith(("python ", "torchrun ")) and "pytest" not in ln
+            and "--nproc_per_node 8" not in ln and "/path/to/" not in ln]
+
+
+@pytest.mark.slow
+def test_readme_laptop_commands_run_in_the_order_written(tmp_path):
+    """On a copy of the code (a fresh clone's files), each command as written plus --updates 1; none may collide with
+    an earlier one's out_dir."""
+    import shutil
+    for p in HERE.glob("*.py"):
+        shutil.copy(p, tmp_path)
+    for d in ("tools", "skills"):
+        shutil.copytree(HERE / d, tmp_path / d)
+    cmds = readme_laptop_commands()
+    assert len(cmds) >= 3 and cmds[0] == "python seed.py"
+    vllm = importlib.util.find_spec("vllm") is not None
+    for cmd in cmds:
+        if "--engine vllm" in cmd and not vllm:
+            continue  # the README marks vLLM optional; CI installs it, so there it runs
+        argv = cmd.split()
+        if argv[0] == "torchrun":
+            argv = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *argv[1:]]
+        else:
+            argv[0] = sys.executable
+        res = subprocess.run(argv + ["--updates", "1"], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                             timeout=600)
+        assert res.returncode == 0, f"{cmd}:\n{res.stderr[-2000:]}"
+        assert "[seed] metrics:" in res.stdout or "metrics:" in res.stdout, cmd
