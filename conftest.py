@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -133,14 +133,25 @@ def serve(handler):
     return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
 
 
-def reply(handler, content: str):
-    """A chat-completion reply with `content`."""
-    out = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+class Quiet(BaseHTTPRequestHandler):
+    """A request handler that logs nothing (the tests' servers)."""
+
+    def log_message(self, *a):
+        pass
+
+
+def send_json(handler, obj):
+    out = json.dumps(obj).encode()
     handler.send_response(200)
     handler.send_header("Content-Type", "application/json")
     handler.send_header("Content-Length", str(len(out)))
     handler.end_headers()
     handler.wfile.write(out)
+
+
+def reply(handler, content: str):
+    """A chat-completion reply with `content`."""
+    send_json(handler, {"choices": [{"message": {"role": "assistant", "content": content}}]})
 
 
 # ------------------------------------------------------------------------------------------------ real trajectories

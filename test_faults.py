@@ -10,9 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,8 @@ import envs
 import harness
 import models
 import opid
-from conftest import HERE, SHARED, env, one_rank
+from conftest import HERE, SHARED, Quiet, env, one_rank, send_json
+from test_failures import serve  # (server, its root URL) on 127.0.0.1
 
 
 # ------------------------------------------------------------------------------------------------ damaged state
@@ -292,7 +291,7 @@ def test_bad_float_flags_are_refused_before_anything_loads(argv, message, monkey
 
 # ------------------------------------------------------------------------------------------------ endpoints
 
-class Drip(BaseHTTPRequestHandler):
+class Drip(Quiet):
     """Answers 200 at once, then one byte of a long body every 0.2 s: a socket timeout alone never fires."""
 
     def do_POST(self):
@@ -308,29 +307,13 @@ class Drip(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def log_message(self, *a):
-        pass
 
-
-class Flood(BaseHTTPRequestHandler):
+class Flood(Quiet):
     """/retrieve answered with 10,000 documents per query."""
 
     def do_POST(self):
         n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["queries"])
-        data = json.dumps({"result": [[{"contents": f"doc {i}"} for i in range(10_000)]] * n}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
-
-def serve(handler):
-    server = envs.HTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+        send_json(self, {"result": [[{"contents": f"doc {i}"} for i in range(10_000)]] * n})
 
 
 def test_the_timeout_bounds_a_dripping_reply():
