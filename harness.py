@@ -627,11 +627,7 @@ class Run:
                            {"next_update": update + 1, "row": {**row, **timer.as_metrics()}})
                 if self.d.main:
                     self._prune(keep=name)
-        counts, kept = sample_rows(update, self.d)
-        row.update(counts)
-        if kept and self.d.main:
-            with open(os.path.join(self.out, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(x) + "\n" for x in kept)
+        self.take_samples(row, update)
         row.update(timer.as_metrics())
         row["time/total"] = time.perf_counter() - t0
         if self.d.device.type == "cuda":  # the update's peak GPU memory, the largest over ranks
@@ -640,6 +636,15 @@ class Run:
             row["perf/gpu_peak_gib"] = peak.item()
             torch.cuda.reset_peak_memory_stats(self.d.device)
         self.log(row)
+
+    def take_samples(self, row: dict, update: int):
+        """Into `row`: the replies recorded since the last row, counted over ranks (record); rank 0's kept samples
+        to samples.jsonl under `update` (-1: SEED's stage 1). Collective."""
+        counts, kept = sample_rows(update, self.d)
+        row.update(counts)
+        if kept and self.d.main:
+            with open(os.path.join(self.out, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(x) + "\n" for x in kept)
 
     def _prune(self, keep: str):
         """One optimizer state on disk: older checkpoints become plain HF directories (stage1/, which has none,

@@ -300,6 +300,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
         run.note(f"stage 1: SFT on {int(n_sft)} skills ({args.sft_epochs} epochs)")
         with timer("update"):
             row.update(sft_train(policy, tok, data, args, d))
+    run.take_samples(row, -1)  # stage 1's analyses belong to its own row, not to update 0's
     path = os.path.join(args.out_dir, "stage1")
     skills_jsonl = "".join(json.dumps(x) + "\n" for part in C.all_gather_objects(library) for x in part)
     with timer("save"):

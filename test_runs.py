@@ -479,8 +479,10 @@ def test_record_keeps_the_first_n_and_counts_every_capped_reply():
                                           ("grsd", {"turn", "reflection"})])
 def test_log_samples_writes_readable_samples_and_counts_capped_replies(method, kinds, tmp_path):
     run(python(method, tmp_path, "--updates", "1", "--eval_every", "0", "--log_samples", "4"))
-    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").open()]
-    assert {s["kind"] for s in samples} >= kinds and all(s["update"] == 0 for s in samples)
+    every = [json.loads(x) for x in (tmp_path / "samples.jsonl").open()]
+    assert {s["update"] for s in every} == ({-1, 0} if method == "seed" else {0})  # -1: SEED's stage 1, its own row
+    samples = [s for s in every if s["update"] == 0]
+    assert {s["kind"] for s in samples} >= kinds
     for kind in kinds:
         these = [s for s in samples if s["kind"] == kind]
         assert 1 <= len(these) <= 4 and all(isinstance(s["reply"], str) and s["prompt_tail"] for s in these)
@@ -489,6 +491,9 @@ def test_log_samples_writes_readable_samples_and_counts_capped_replies(method, k
     (row,) = [r for r in rows_of(tmp_path) if r.get("update") == 0 and "replies/turn" in r]
     assert row["replies/turn_capped"] == row["rollout/unterminated_responses"]  # the same count, two ways
     assert row["replies/turn"] == row["perf/rollout_turns"]
+    if method == "seed":  # stage 1's annotations are counted in its row, not in update 0's
+        (stage1,) = [r for r in rows_of(tmp_path) if r.get("stage") == 1]
+        assert stage1["replies/analysis"] == stage1["sft/trajectories"] == 4  # --sft_tasks 2 × --sft_rollouts 2
 
 
 def readme_laptop_commands() -> list[str]:
