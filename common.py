@@ -518,6 +518,7 @@ def grad_norm_metrics(norms: list[float]) -> dict:
     return {"train/grad_norm": sum(taken) / len(taken) if taken else float("nan"),
             "train/skipped_steps": len(norms) - len(taken)}
 
+
 def cut_to_tokens(tok, text: str, max_tokens: int) -> str:
     """The first max_tokens tokens of text (a skill, guidance). The text is cut to 16 characters per token first,
     more than any token spans in practice, so a 10 MB reply costs no more to tokenize than a short one."""

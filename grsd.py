@@ -481,7 +481,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                     sums["kl"] += kl.item()
                     sums["tokens"] += mask.sum().item() * m.real
                 (loss * m.scale).backward()  # FSDP averages over ranks; a dummy counts 0
-            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))          # Alg. 1 l.29
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
     a_plain = torch.cat([torch.full((len(r),), s.adv) for s, r in zip(turns, R)]) if turns else torch.zeros(0)
     a_hat = torch.cat(adv) if adv else torch.zeros(0)
     w_ratio = (a_hat / a_plain)[a_plain != 0]

@@ -350,8 +350,8 @@ def check_run_args(args):
                          f"(or set {DATA_ENV[args.env]}; see docs/environments.md)")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise SystemExit(f"--out_dir {args.out_dir} is a file, not a directory")
-    holder = lock_holder(args.out_dir)
-    if holder:
+    holder = lock_holder(args.out_dir)  # (a run's own rank 0 locks only after init_distributed, which waits for
+    if holder:                          # every rank to have passed these checks)
         raise SystemExit(in_use(args.out_dir, holder))
     if args.resume:  # (read before any rank changes out_dir: nothing there is touched until all of it checks out)
         resume_point(args, warn=False)
@@ -377,7 +377,8 @@ def resume_point(args, warn: bool = True) -> tuple[str | None, list[dict], dict]
     try:
         old = read_json(os.path.join(out, "args.json"))
     except (ValueError, UnicodeDecodeError):
-        print(f"[resume] WARNING: {out}/args.json is not JSON: the run gets a new run id, its args are rewritten")
+        if warn:
+            print(f"[resume] WARNING: {out}/args.json is not JSON: the run gets a new run id, its args are rewritten")
         old = {}
     if state is None and (skipped or any("update" in r for r in rows)):
         raise SystemExit(f"--resume: no complete checkpoint in {out} ({'; '.join(skipped) or 'none saved'}) but "

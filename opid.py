@@ -538,7 +538,7 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 sums["pg"] += pg.item() * m.real
                 sums["kl"] += kl.item() * m.real
                 sums["tokens"] += mb_mask.sum().item() * m.real
-            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))              # l.31
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.31
     tot = Counter(C.global_sums(sums, d))
     n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
     taught = [s for s in samples if s.teacher_ids] if args.lambda_skill > 0 else []  # what l.19 scored

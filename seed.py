@@ -318,7 +318,7 @@ def sft_train(policy, tok, data, args, d) -> dict:
     targets = [tok(f"<skill>{s}</skill>", add_special_tokens=False)["input_ids"] + [end] for _, s in data]
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
     per_rank = max(1, args.sft_batch // d.world)
-    rng, losses = random.Random(args.seed + d.rank), []
+    rng, losses, norms = random.Random(args.seed + d.rank), [], []
     for _ in range(args.sft_epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
@@ -331,9 +331,12 @@ def sft_train(policy, tok, data, args, d) -> dict:
                 loss = sft_loss(logp, mask, n_global) * m.scale  # FSDP averages over ranks; a dummy counts 0
                 loss.backward()
                 total += loss.item() / d.world
-            C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps)
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
             losses.append(C.global_sum([total], d.device)[0])
+    if not losses:  # --sft_epochs 0: θ_sft = the base policy
+        return {"sft/steps": 0}
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1], "sft/steps": len(losses),
+            **{k.replace("train/", "sft/"): v for k, v in C.grad_norm_metrics(norms).items()},
             **harness.padding_metrics(d)}
 
 

@@ -186,6 +186,8 @@ def test_sft_stage_learns_to_write_skills(d, tok, batch):
     out = seed.sft_train(policy, tok, data, make_args(sft_lr=3e-3, sft_epochs=10, sft_batch=4), d)
     assert out["sft/steps"] == 10
     assert out["sft/loss_last"] < 0.5 * out["sft/loss_first"]
+    assert out["sft/skipped_steps"] == 0 and 0 < out["sft/grad_norm"] < float("inf")
+    assert seed.sft_train(policy, tok, data, make_args(sft_epochs=0), d) == {"sft/steps": 0}  # θ_sft = θ
 
 
 @pytest.mark.parametrize("text,skill", [
