@@ -25,6 +25,10 @@ from conftest import HERE, SHARED, Quiet, env, one_rank, send_json
 from test_failures import serve  # (server, its root URL) on 127.0.0.1
 
 
+needs_qa = pytest.mark.skipif(not (SHARED / "search_qa").is_dir(), reason=f"no Search-QA data in {SHARED} (SHARED_DATA)")
+needs_webshop = pytest.mark.skipif(not (SHARED / "webshop").is_dir(), reason=f"no WebShop data in {SHARED} (SHARED_DATA)")
+
+
 # ------------------------------------------------------------------------------------------------ damaged state
 
 def save_checkpoint(path: Path, d, tok, next_update: int, hidden: int | None = None):
@@ -335,6 +339,7 @@ def test_the_timeout_bounds_a_dripping_reply():
     assert client.failures == 2 and 1.5 <= chat < 3.0 and 1.5 <= retrieve < 3.0, (chat, retrieve)
 
 
+@needs_qa
 def test_a_retriever_flood_is_cut_to_topk_and_counted():
     """Before: a server returning 10,000 documents filled every observation (35 s instead of 1.2 s per update)."""
     server, url = serve(Flood)
@@ -415,6 +420,7 @@ def search_copy(tmp_path: Path, edit) -> Path:
     return data
 
 
+@needs_qa
 def test_bad_search_data_is_one_line_naming_the_file(tmp_path):
     null = search_copy(tmp_path / "a", lambda b: b.replace(b'"golden_answers": [', b'"golden_answers": null, "x": [', 1))
     with pytest.raises(envs.DataError, match=r"nq.jsonl, row 1: .*golden_answers=None"):
@@ -425,6 +431,7 @@ def test_bad_search_data_is_one_line_naming_the_file(tmp_path):
         harness.task_envs(args)
 
 
+@needs_webshop
 def test_a_truncated_webshop_file_is_named(tmp_path):
     import shutil
     data = shutil.copytree(SHARED / "webshop", tmp_path / "ws")
