@@ -159,7 +159,7 @@ def reply(handler, content: str):
 def play(env, tok, responses):
     """Turn raw response texts into a real Trajectory with real token ids from the real tokenizer."""
     tr = C.Trajectory(env_task_id(env), 0, env.task, env.family, env.observation)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
+    end = models.end_of_turn_id(tok)
     for text in responses:
         if callable(text):
             text = text(env)

@@ -348,7 +348,8 @@ def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Coun
     guidance: dict[int, str | None] = {g: None for g in groups}
     if args.guidance == "unaggregated":  # each reflection gets an equal share of the guidance budget
         for g in active:
-            frame = len(engine.tok(unaggregated_guidance([""] * len(good[g]), [""] * len(bad[g])))["input_ids"])
+            frame = len(engine.tok(unaggregated_guidance([""] * len(good[g]), [""] * len(bad[g])),
+                                    add_special_tokens=False)["input_ids"])
             share = max((args.guidance_max_tokens - frame) // (len(good[g]) + len(bad[g])) - 1, 1)
             cut = lambda rs: [engine.tok.decode(engine.tok(r, add_special_tokens=False)["input_ids"][:share])  # noqa: E731
                               for r in rs]

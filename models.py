@@ -159,8 +159,24 @@ def load_model(name: str, seed: int, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
 
 
+def end_of_turn_id(tok) -> int:
+    """The token the model's own chat template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>, ...): the first token after the content when the template renders one assistant reply. Training
+    targets end with it (SEED's SFT, the backbone's cloning); falls back to eos for a template that renders none."""
+    mark = "Zq9 reply"
+    text = tok.apply_chat_template([{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}],
+                                   tokenize=False)
+    after = text[text.rfind(mark) + len(mark):] if mark in text else ""
+    ids = tok(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    return ids[0] if ids and ids[0] in tok.all_special_ids else tok.eos_token_id
+
+
 def stop_token_ids(tok) -> list[int]:
-    ids = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
+    """Generation stops at eos, at the end-of-turn token, and at <|endoftext|> where that is one of the tokenizer's
+    special tokens (Qwen's and SmolLM's end of document: a model that writes it has ended its reply)."""
+    ids = {tok.eos_token_id, end_of_turn_id(tok)}
+    if "<|endoftext|>" in tok.all_special_tokens:
+        ids.add(tok.convert_tokens_to_ids("<|endoftext|>"))
     return sorted(i for i in ids if isinstance(i, int) and 0 <= i < len(tok))
 
 
@@ -297,11 +313,16 @@ class VLLMEngine(HFEngine):
             name = self._dir
         memory = dict(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True) if self.gpu \
             else dict(kv_cache_memory_bytes=int(args.cpu_kv_cache_gb * 2 ** 30), enforce_eager=True)
+        with open(os.path.join(name, "config.json")) as f:  # vLLM refuses a KV cache too small for one sequence
+            model_max = json.load(f).get("max_position_embeddings") or 10 ** 9  # of the model's full length
+        memory["max_model_len"] = min(model_max, longest_context(args))
         py_state, threads, set_threads = random.getstate(), torch.get_num_threads(), torch.set_num_threads
         with torch.random.fork_rng(devices=[d.device] if self.gpu else []):  # vLLM seeds the global RNGs
             self.llm = LLM(model=name, dtype=dtype, seed=args.seed, tensor_parallel_size=1,
                            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-                           generation_config="vllm", **memory)  # "vllm": ignore the checkpoint's sampling defaults
+                           generation_config="vllm",  # ignore the checkpoint's sampling defaults
+                           use_tqdm_on_load=False,  # its loading bar, nested under ours, left "\x1b[A" escapes
+                           **memory)
         random.setstate(py_state)
         # The CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a no-op for the
         # whole process; the trainer in this process wants its threads back (a plain `python` run would train on 1)
@@ -366,6 +387,16 @@ class VLLMEngine(HFEngine):
         self.llm.llm_engine.engine_core.shutdown()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def longest_context(args) -> int:
+    """The longest prompt + reply a run asks its engine for: an agent turn, SEED's annotation and OPID's analysis
+    (prompts cut to 2 × max_prompt_len), GRSD's reflection, judge and guidance (prompts cut to reflection_prompt_len).
+    vLLM sizes its context to this instead of the model's maximum (SmolLM2's 8192 tokens need 0.35 GiB of KV cache)."""
+    role_prompt = max(2 * args.max_prompt_len, getattr(args, "reflection_prompt_len", None) or 0)
+    role_reply = max(getattr(args, k, None) or 0 for k in ("annotator_max_tokens", "analyzer_max_tokens",
+                                                             "reflection_max_tokens", "judge_max_tokens"))
+    return max(args.max_prompt_len + args.max_response_len, role_prompt + role_reply)
 
 
 def vllm_available() -> bool:

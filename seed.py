@@ -313,7 +313,7 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
 
 def sft_train(policy, tok, data, args, d) -> dict:
     """Minimise L_sft over D_sft for sft_epochs; examples are (x_τ chat prompt, "<skill>s</skill>" + end-of-turn)."""
-    end = tok.convert_tokens_to_ids("<|im_end|>")
+    end = models.end_of_turn_id(tok)
     prompts = [C.encode_prompt(tok, x, 2 * args.max_prompt_len)[0] for x, _ in data]
     targets = [tok(f"<skill>{s}</skill>", add_special_tokens=False)["input_ids"] + [end] for _, s in data]
     opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)

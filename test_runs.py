@@ -500,8 +500,8 @@ def readme_laptop_commands() -> list[str]:
     """The README's shell lines that run on a laptop: python / torchrun of this repo's scripts, in order; not pip, not
     pytest, not the GPU node's (8 processes, a benchmark data path)."""
     import re
-    text = (HERE / "README.md").read_text()
-    lines = [ln.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+    text = (HERE / "README.md").read_text().replace("\\\n", " ")  # a line ending in \ continues on the next
+    lines = [" ".join(ln.split("#")[0].split()) for block in re.findall(r"```bash\n(.*?)```", text, re.S)
              for ln in block.splitlines()]
     return [ln for ln in lines if ln.startswith(("python ", "torchrun ")) and "pytest" not in ln
             and "--nproc_per_node 8" not in ln and "/path/to/" not in ln]
@@ -511,6 +511,7 @@ def readme_laptop_commands() -> list[str]:
 def test_readme_laptop_commands_run_in_the_order_written(tmp_path):
     """On a copy of the code (a fresh clone's files), each command as written plus --updates 1; none may collide with
     an earlier one's out_dir."""
+    import re
     import shutil
     for p in HERE.glob("*.py"):
         shutil.copy(p, tmp_path)
@@ -522,12 +523,16 @@ def test_readme_laptop_commands_run_in_the_order_written(tmp_path):
     for cmd in cmds:
         if "--engine vllm" in cmd and not vllm:
             continue  # the README marks vLLM optional; CI installs it, so there it runs
-        argv = cmd.split()
+        argv = [os.path.expanduser(a) for a in cmd.split()]
         if argv[0] == "torchrun":
             argv = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *argv[1:]]
         else:
             argv[0] = sys.executable
-        res = subprocess.run(argv + ["--updates", "1"], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                             timeout=600)
+        tool = "tools/" in cmd  # the converter: no updates, it prints the model directory
+        res = subprocess.run(argv + ([] if tool else ["--updates", "1"]), cwd=tmp_path, env=env(), capture_output=True,
+                             text=True, timeout=600)
         assert res.returncode == 0, f"{cmd}:\n{res.stderr[-2000:]}"
-        assert "[seed] metrics: " in res.stdout, cmd  # the run ended with its result line
+        if tool:
+            assert (Path(res.stdout.split()[-1]) / "converted.json").is_file(), cmd
+        else:
+            assert re.search(r"^\[(seed|opid|grsd)\] metrics: ", res.stdout, re.M), cmd  # it ended with its result line

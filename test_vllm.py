@@ -84,7 +84,8 @@ def child(out_path: str):
     path = tempfile.mkdtemp(prefix="vllm-test-")
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    args = SimpleNamespace(seed=0, bf16=False, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25)
+    args = SimpleNamespace(seed=0, bf16=False, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25, max_prompt_len=1024,
+                           max_response_len=48)
     engine = models.VLLMEngine(path, tok, d, args)
     out = {"threads_after_engine": torch.get_num_threads()}
     hf = models.HFEngine(models.load_model(path, 0), tok, d.device)

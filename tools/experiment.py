@@ -579,7 +579,7 @@ def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int
     else:
         tok = models.build_tiny_tokenizer([u for _, u, _ in pairs[::7]] + [r for _, _, r in pairs[::3]], vocab_size=2048)
         model = build_backbone(len(tok), seed)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    eos = models.end_of_turn_id(tok)
     encoded = {}
     for k, user, resp in pairs:
         encoded.setdefault(k, []).append((C.chat_ids(tok, user), tok(resp, add_special_tokens=False)["input_ids"] + [eos]))
