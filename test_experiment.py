@@ -4,6 +4,7 @@ from collections import Counter
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -303,10 +304,17 @@ def test_experiment_smoke_run(tmp_path):
     table = (results / "table.md").read_text()
     assert all(f"| {m} | 1 |" in table for m in ("backbone",) + E.METHODS) and "| 0.0001 | 1 |" in table
     assert (results / "curves.png").stat().st_size > 10_000
+    shutil.rmtree(out / "grpo-s0")  # as on a fresh machine: runs/ is gone, the record stays
     again = subprocess.run([sys.executable, "tools/experiment.py", "runs", "--smoke", "--out", str(out)],
                            capture_output=True, text=True, timeout=300, env=env)
-    assert again.returncode == 0 and again.stdout.count("already done, skipped") == 5  # a rerun resumes
-    assert (results / "table.md").read_text() == table
+    assert again.returncode == 0 and again.stdout.count("runs.jsonl, skipped") == 5, again.stdout  # resumes by record
+    assert (results / "table.md").read_text() == table and not (out / "grpo-s0").exists()
+    digest = json.loads((results / "backbone.json").read_text())
+    assert digest["sha256"] == E.backbone_digest(str(out / "backbone")) and digest["step"] == second["step"]
+    (results / "backbone.json").write_text(json.dumps({**digest, "sha256": "0" * 64}))  # a rebuild that differs
+    refused = subprocess.run([sys.executable, "tools/experiment.py", "runs", "--smoke", "--out", str(out)],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode != 0 and "is not the one the runs" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_report_regenerates_the_committed_table(tmp_path):
@@ -317,6 +325,16 @@ def test_report_regenerates_the_committed_table(tmp_path):
     os.system(f"cp {committed} {tmp_path}/runs.jsonl")
     text = E.report(str(tmp_path), log=lambda *a: None)
     assert text == open(os.path.join(E.RESULTS, "table.md")).read()
+
+
+def test_the_committed_backbone_is_the_one_the_runs_record():
+    """docs/results/backbone (what `runs` uses on a fresh machine) has the digest docs/results/backbone.json holds."""
+    path = os.path.join(E.RESULTS, "backbone")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        pytest.skip("no committed backbone")
+    recorded = json.load(open(os.path.join(E.RESULTS, "backbone.json")))
+    assert E.backbone_digest(path) == recorded["sha256"] and len(recorded["sha256"]) == 64
+    assert json.load(open(os.path.join(path, "warm_start.json")))["step"] == recorded["step"]
 
 
 def test_comparison_table_by_hand(tmp_path):

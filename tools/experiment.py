@@ -4,7 +4,8 @@ the learning rate chosen on development layouts. docs/experiment.md is the write
 report is made from.
 
   python tools/experiment.py                 # all of it, in this order (each step resumes / skips what is done):
-  python tools/experiment.py backbone        # 1. the warm start, 2 stages -> runs/experiment/backbone (HF checkpoint)
+  python tools/experiment.py backbone        # 1. the warm start, 2 stages -> runs/experiment/backbone (HF checkpoint;
+                                             #    a copy is committed in docs/results/backbone, used when that is absent)
   python tools/experiment.py mechanism       # 5. per-turn credit vs ground truth -> docs/results/mechanism.{json,md}
   python tools/experiment.py hints           #    success with / without a true hint -> docs/results/hints.json
   python tools/experiment.py dev             # 3a. GRPO lr probes on the dev layouts (seeds 100-101)
@@ -63,6 +64,7 @@ Deviations / choices:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -1178,9 +1180,38 @@ FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 12
 COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "report")
 
 
+def backbone_digest(backbone: str) -> str:
+    """sha256 over the backbone's weights and tokenizer files: what identifies the model every run starts from."""
+    h = hashlib.sha256()
+    for name in ("model.safetensors", "tokenizer.json"):
+        with open(os.path.join(backbone, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def check_backbone(backbone: str, results: str) -> None:
+    """Every run in results/runs.jsonl must start from one backbone. runs/ is not kept between machines, so a later
+    sitting may rebuild it: its digest is recorded in results/backbone.json on first use and checked on every later
+    one, so a rebuilt backbone that differs is refused instead of mixed into the table."""
+    path, digest = os.path.join(results, "backbone.json"), backbone_digest(backbone)
+    if os.path.isfile(path):
+        want = json.load(open(path))["sha256"]
+        if want != digest:
+            raise SystemExit(f"[experiment] the backbone at {backbone} (sha256 {digest[:16]}…) is not the one the runs "
+                             f"in {results}/runs.jsonl started from ({want[:16]}…, {path}): rebuild it or move the "
+                             f"results away")
+        return
+    kept = json.load(open(os.path.join(backbone, "warm_start.json")))
+    with open(path, "w") as f:
+        json.dump({"sha256": digest, "step": kept["step"], "select_success": kept["select_success"]}, f, indent=1)
+    print(f"[experiment] backbone sha256 {digest[:16]}… recorded in {path}")
+
+
 def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float | None = None) -> None:
     """dev: the backbone's eval and GRPO at every lr of b.dev_lrs on the dev layouts; runs: the backbone's eval and
-    the four methods on the final layouts at `lr`. Each finished run goes to results/runs.jsonl at once."""
+    the four methods on the final layouts at `lr`. Each finished run goes to results/runs.jsonl at once; a run
+    recorded there is not run again (check_backbone: on the same backbone)."""
+    check_backbone(backbone, results)
     seeds = b.dev_seeds if phase == "dev" else b.seeds
     oracle = Oracle(seeds, room=b.room)
     server = serve_oracle(oracle)
@@ -1205,6 +1236,10 @@ def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float | 
         out_dir = argv[argv.index("--out_dir") + 1]
         if name not in have and os.path.isfile(os.path.join(out_dir, "done.json")):
             on_done(name, out_dir, json.load(open(os.path.join(out_dir, "done.json")))["seconds"])
+            have.add(name)
+    for name in [n for n, _ in jobs if n in have]:  # the record is the run: a fresh machine has no runs/ folder
+        print(f"[experiment] {name}: recorded in {results}/runs.jsonl, skipped")
+    jobs = [(n, argv) for n, argv in jobs if n not in have]
     t0 = time.time()
     done = launch_all(jobs, a.parallel, a.threads, on_done)
     print(f"[experiment] {phase}: {len(done)} jobs in {(time.time() - t0) / 60:.1f} min; oracle "
@@ -1232,6 +1267,9 @@ def main(argv=None):
     cfg = SMOKE if a.smoke else FULL
     b, backbone = cfg["budget"], os.path.join(a.out, "backbone")
     results = os.path.join(a.out, "results") if a.smoke else RESULTS
+    if not os.path.isfile(os.path.join(backbone, "warm_start.json")) and \
+            os.path.isfile(os.path.join(results, "backbone", "warm_start.json")):
+        backbone = os.path.join(results, "backbone")  # the committed copy: a fresh machine need not rebuild it (~1.5 h)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(results, exist_ok=True)
     if a.cmd == "oracle":
