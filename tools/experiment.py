@@ -1270,6 +1270,7 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(backbone, "warm_start.json")) and \
             os.path.isfile(os.path.join(results, "backbone", "warm_start.json")):
         backbone = os.path.join(results, "backbone")  # the committed copy: a fresh machine need not rebuild it (~1.5 h)
+        print(f"[experiment] backbone: the committed copy in {backbone} (one built into {a.out}/backbone comes first)")
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(results, exist_ok=True)
     if a.cmd == "oracle":
