@@ -1221,12 +1221,15 @@ def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float | 
         name = f"backbone-{phase}-s{s}" if phase == "dev" else f"backbone-s{s}"
         jobs.append((name, ["seed.py", "--eval_only"] + shared_flags(b, backbone, s, os.path.join(a.out, name), b.lr)))
         meta[name] = ("backbone", s, 0.0)
-    for s in seeds:
-        for m, run_lr in ([("grpo", x) for x in b.dev_lrs] if phase == "dev" else [(m, lr) for m in METHODS]):
-            name = f"grpo-dev-lr{run_lr:g}-s{s}" if phase == "dev" else f"{m}-s{s}"
-            script, extra = method_flags(m, url, b, run_lr)
-            jobs.append((name, [script] + shared_flags(b, backbone, s, os.path.join(a.out, name), run_lr) + extra))
-            meta[name] = (m, s, run_lr)
+    # GRPO on every seed first: its gain over the backbone is the headline and needs all seeds; then the other
+    # methods seed by seed, so each finished seed adds a complete set of paired differences to GRPO
+    finals = [("grpo", s) for s in seeds] + [(m, s) for s in seeds for m in METHODS if m != "grpo"]
+    for m, run_lr, s in ([("grpo", x, s) for s in seeds for x in b.dev_lrs] if phase == "dev"
+                         else [(m, lr, s) for m, s in finals]):
+        name = f"grpo-dev-lr{run_lr:g}-s{s}" if phase == "dev" else f"{m}-s{s}"
+        script, extra = method_flags(m, url, b, run_lr)
+        jobs.append((name, [script] + shared_flags(b, backbone, s, os.path.join(a.out, name), run_lr) + extra))
+        meta[name] = (m, s, run_lr)
     have = {r["name"] for r in load_results(os.path.join(results, "runs.jsonl"))}
 
     def on_done(name, out_dir, seconds):
