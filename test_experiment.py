@@ -357,3 +357,7 @@ def test_comparison_table_by_hand(tmp_path):
     mu, half = E.mean_ci([0.2, 0.1, 0.3])
     assert mu == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
     assert E.best_dev_lr([rec("d1", "grpo", 100, 0.3, "dev", 1e-4), rec("d2", "grpo", 100, 0.5, "dev", 3e-4)]) == 3e-4
+    # per layout: each run against its own layout's backbone; a run not done yet is "·"
+    layouts = E.layout_table(E.load_results(str(tmp_path / "runs.jsonl")) + [rec("b3", "backbone", 3, 0.25)])
+    assert "| 0 | 20.0 % | 40.0 % (+20.0) | 50.0 % (+30.0) | · | · |" in layouts
+    assert "| 3 | 25.0 % | · | · | · | · |" in layouts and len(layouts.splitlines()) == 2 + 4

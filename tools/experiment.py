@@ -1002,6 +1002,22 @@ def comparison_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def layout_table(records: list[dict]) -> str:
+    """Final runs, one row per layout seed: each method's final valid_seen success and, in brackets, its difference
+    to the backbone's own evaluation on that layout (points); "·" where the run is not done yet."""
+    final = [r for r in records if r["phase"] == "final"]
+    got = {(r["method"], r["seed"]): final_eval(r, "valid_seen") for r in final}
+    lines = ["| layout seed | backbone | " + " | ".join(METHODS) + " |", "|" + "---|" * (2 + len(METHODS))]
+    for s in sorted({r["seed"] for r in final}):
+        b = got.get(("backbone", s))
+        cells = [str(s), "·" if b is None else f"{100 * b:.1f} %"]
+        for m in METHODS:
+            v = got.get((m, s))
+            cells.append("·" if v is None else f"{100 * v:.1f} %" + ("" if b is None else f" ({100 * (v - b):+.1f})"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def dev_table(records: list[dict]) -> str:
     """The lr probes (GRPO on the dev layouts): final valid_seen success per lr and its gain over the backbone."""
     dev = [r for r in records if r["phase"] == "dev"]
@@ -1061,10 +1077,10 @@ def plot(records: list[dict], out_png: str):
 
 
 def report(results_dir: str, log=print) -> str:
-    """table.md (dev probes + comparison) and curves.png in results_dir, from its runs.jsonl alone."""
+    """table.md (comparison, per layout, dev probes) and curves.png in results_dir, from its runs.jsonl alone."""
     records = load_results(os.path.join(results_dir, "runs.jsonl"))
-    text = "## Comparison (final runs)\n\n" + comparison_table(records) + "\n\n## lr probes (GRPO, dev layouts)\n\n" \
-        + dev_table(records) + "\n"
+    text = "## Comparison (final runs)\n\n" + comparison_table(records) + "\n\n## Per layout (valid_seen, final runs)\n\n" \
+        + layout_table(records) + "\n\n## lr probes (GRPO, dev layouts)\n\n" + dev_table(records) + "\n"
     with open(os.path.join(results_dir, "table.md"), "w") as f:
         f.write(text)
     if any(r["phase"] == "final" and r["method"] != "backbone" for r in records):
