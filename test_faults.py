@@ -509,7 +509,12 @@ def test_ctrl_c_names_the_last_checkpoint_without_a_traceback(tmp_path):
     while not (tmp_path / "update1").is_dir() and time.time() < deadline:
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # seen once in a full-suite run (2026-12-05), not reproduced in 16 tries alone
+        proc.kill()
+        err = proc.communicate()[1].replace("\r", "\n")
+        pytest.fail(f"SIGINT at {sorted(os.listdir(tmp_path))} did not end the run within 60 s; its stderr:\n{err[-4000:]}")
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     state = harness.latest_state(str(tmp_path))[0]
     assert err.strip().splitlines()[-1] == f"interrupted: the last complete checkpoint is {state} (continue with --resume)"
