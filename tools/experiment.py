@@ -1079,8 +1079,9 @@ def plot(records: list[dict], out_png: str):
 def report(results_dir: str, log=print) -> str:
     """table.md (comparison, per layout, dev probes) and curves.png in results_dir, from its runs.jsonl alone."""
     records = load_results(os.path.join(results_dir, "runs.jsonl"))
-    text = "## Comparison (final runs)\n\n" + comparison_table(records) + "\n\n## Per layout (valid_seen, final runs)\n\n" \
-        + layout_table(records) + "\n\n## lr probes (GRPO, dev layouts)\n\n" + dev_table(records) + "\n"
+    text = "## Comparison (final runs)\n\n" + comparison_table(records) \
+        + "\n\n## Per layout (valid_seen, final runs)\n\n" + layout_table(records) \
+        + "\n\n## lr probes (GRPO, dev layouts)\n\n" + dev_table(records) + "\n"
     with open(os.path.join(results_dir, "table.md"), "w") as f:
         f.write(text)
     if any(r["phase"] == "final" and r["method"] != "backbone" for r in records):
