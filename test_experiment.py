@@ -361,3 +361,47 @@ def test_comparison_table_by_hand(tmp_path):
     layouts = E.layout_table(E.load_results(str(tmp_path / "runs.jsonl")) + [rec("b3", "backbone", 3, 0.25)])
     assert "| 0 | 20.0 % | 40.0 % (+20.0) | 50.0 % (+30.0) | · | · |" in layouts
     assert "| 3 | 25.0 % | · | · | · | · |" in layouts and len(layouts.splitlines()) == 2 + 4
+
+
+def test_scaled_arm_flags_parse_to_the_stated_coefficients(monkeypatch):
+    """A scaled arm's argv is its paper method's argv plus SCALED's one coefficient, and the method's own CLI reads
+    it back as that value (a later flag wins); the paper arms keep the paper values."""
+    b = E.Budget()
+    for arm, mod, field, want, paper in [("seed_scaled", seed, "lambda_opd", 0.3, 0.01),
+                                         ("opid_scaled", opid, "lambda_skill", 4.0, 0.001),
+                                         ("grsd_scaled", grsd, "lambda_mod", 2.5, 0.5)]:
+        script, extra = E.run_flags(arm, "http://127.0.0.1:1/v1", b, 1e-5)
+        paper_script, paper_extra = E.run_flags(arm.removesuffix("_scaled"), "http://127.0.0.1:1/v1", b, 1e-5)
+        assert script == paper_script == f"{mod.__name__}.py" and extra[:len(paper_extra)] == paper_extra
+        for flags, value in ((extra, want), (paper_extra, paper)):
+            monkeypatch.setattr(sys, "argv", [script] + E.shared_flags(b, "m", 0, "o", 1e-5) + flags)
+            assert getattr(harness.parse_args(mod.Args, mod.PAPER, mod.TINY), field) == value
+    monkeypatch.setattr(sys, "argv", ["grsd.py"] + E.run_flags("grsd_scaled", "u", b, 1e-5)[1])
+    g = harness.parse_args(grsd.Args, grsd.PAPER, grsd.TINY)
+    assert g.lambda_mod * g.g_hat == pytest.approx(0.5)  # Â/A within [0.5, 1.5]: no sign flips (Prop. 2)
+
+
+def test_scaled_arm_dev_check_pairs_by_layout_and_gates_the_final_runs():
+    """scaled_dev_check by hand: the mean over dev layouts of (arm − GRPO at the same lr); an arm below SCALED_FLOOR,
+    or with a dev layout missing, gets no final runs; the final runs go layout by layout."""
+    def rec(method, seed, seen, lr=1e-5):
+        return {"name": f"{method}-dev-s{seed}", "phase": "dev", "method": method, "seed": seed, "lr": lr,
+                "seconds": 1.0, "evals": [{"update": 10, "valid_seen": seen}], "train": [], "time_per_update": {}}
+    records = [rec("grpo", 100, 0.40), rec("grpo", 101, 0.30), rec("grpo", 100, 0.90, lr=1e-4),  # other lr: unused
+               rec("seed_scaled", 100, 0.45), rec("seed_scaled", 101, 0.30),  # (+0.05 + 0) / 2 = +0.025
+               rec("opid_scaled", 100, 0.20), rec("opid_scaled", 101, 0.20),  # (−0.20 − 0.10) / 2 = −0.15
+               rec("grsd_scaled", 100, 0.60)]                                  # layout 101 not done
+    check = E.scaled_dev_check(records, 1e-5)
+    assert check["seed_scaled"] == pytest.approx(0.025) and check["opid_scaled"] == pytest.approx(-0.15)
+    assert check["grsd_scaled"] is None
+    b = E.Budget()
+    assert E.planned_runs(b, "scaled", 1e-5, records) == [(f"seed_scaled-s{s}", "seed_scaled", s, 1e-5) for s in b.seeds]
+    assert [n for n, *_ in E.planned_runs(b, "scaled-dev", 1e-5, [])] == [
+        f"{m}_scaled-dev-s{s}" for s in b.dev_seeds for m in ("seed", "opid", "grsd")]
+    final = [n for n, *_ in E.planned_runs(b, "final", 1e-5, [])]
+    assert final[:10] == [f"backbone-s{s}" for s in b.seeds] + [f"grpo-s{s}" for s in b.seeds]
+    assert final[10:13] == ["seed-s0", "opid-s0", "grsd-s0"] and len(final) == 25
+    table = E.scaled_dev_table(records)
+    assert "| opid_scaled | --lambda_skill 4 | 20.0 % (40.0 %) | 20.0 % (30.0 %) | -15.0 | no (< -10) |" in table
+    assert "| seed_scaled | --lambda_opd 0.3 | 45.0 % (40.0 %) | 30.0 % (30.0 %) | +2.5 | yes |" in table
+    assert "| grsd_scaled | --lambda_mod 2.5 | 60.0 % (40.0 %) | · | · | · |" in table

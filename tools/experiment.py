@@ -10,6 +10,7 @@ report is made from.
   python tools/experiment.py hints           #    success with / without a true hint -> docs/results/hints.json
   python tools/experiment.py dev             # 3a. GRPO lr probes on the dev layouts (seeds 100-101)
   python tools/experiment.py runs            # 3b. backbone evals + 4 methods x 5 seeds at the dev probes' best lr
+  python tools/experiment.py scaled          # 3c. the labelled scaled-coefficient arm (SCALED): dev check, 5 seeds
   python tools/experiment.py report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
   python tools/experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
   python tools/experiment.py --smoke         # a 1-update version of everything into <out>/results (test_experiment.py)
@@ -858,6 +859,28 @@ def method_flags(method: str, oracle_url: str, b: Budget, lr: float) -> tuple[st
 
 METHODS = ("grpo", "seed", "opid", "grsd")
 
+# The scaled arm (`python tools/experiment.py scaled`): the issue allows one clearly labelled arm per method with its
+# coefficient scaled for this model size, beside the paper's, never in its place. At the paper coefficients each skill
+# term is small next to the trajectory advantage on this backbone (paper-coefficient runs' logs, docs/experiment.md:
+# mean |A| ≈ 0.54 per token; OPID's |A_skill| ≈ 0.035; SEED's gate 0.49 ± 0.07; GRSD's Â/A in [0.9, 1.1]). The rule,
+# fixed before any scaled run: scale the one coefficient that sets the skill term's size so that the term is about a
+# quarter of |A| per token. The dev layouts check it (scaled_dev_check) instead of choosing among candidates: one
+# 120-episode evaluation carries ~4 points of noise, and the lr probes tied at two values.
+SCALED = {
+    "seed": ["--lambda_opd", "0.3"],   # λ_opd σ(β_opd Δ) ≈ 0.3 · 0.49 = 0.15 per sampled token (paper 0.01: 0.005)
+    "opid": ["--lambda_skill", "4"],   # λ_skill |A_skill| ≈ 4 · 0.035 = 0.14 per token (official 0.001: 3.5e-5)
+    "grsd": ["--lambda_mod", "2.5"],   # λĜ = 0.5: Â/A within [0.5, 1.5] (paper λĜ = 0.1: [0.9, 1.1]); < 1 keeps signs
+}
+SCALED_METHODS = tuple(f"{m}_scaled" for m in SCALED)
+SCALED_FLOOR = -0.10  # a scaled arm whose dev runs end > 10 points below GRPO's (paired by layout) gets no final runs
+
+
+def run_flags(method: str, oracle_url: str, b: Budget, lr: float) -> tuple[str, list[str]]:
+    """(script, the method's own flags): method_flags, plus SCALED's coefficient for a "<method>_scaled" arm."""
+    base = method.removesuffix("_scaled")
+    script, extra = method_flags(base, oracle_url, b, lr)
+    return script, extra + (SCALED[base] if method != base else [])
+
 
 def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, on_done=None, log=print) -> dict:
     """Run each (name, argv) as `python argv…` (the script in the repository root) with OMP_NUM_THREADS=threads,
@@ -985,7 +1008,7 @@ def comparison_table(records: list[dict]) -> str:
     head = ["method", "seeds"] + [h for split in splits for h in (
         f"{split} final", f"{split} gain over backbone (95 % CI)", f"{split} − GRPO, paired (95 % CI)")] + ["min/run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m in ("backbone",) + METHODS:
+    for m in ("backbone",) + METHODS + SCALED_METHODS:
         runs = sorted((r for r in final if r["method"] == m), key=lambda r: r["seed"])
         if not runs:
             continue
@@ -1007,11 +1030,12 @@ def layout_table(records: list[dict]) -> str:
     to the backbone's own evaluation on that layout (points); "·" where the run is not done yet."""
     final = [r for r in records if r["phase"] == "final"]
     got = {(r["method"], r["seed"]): final_eval(r, "valid_seen") for r in final}
-    lines = ["| layout seed | backbone | " + " | ".join(METHODS) + " |", "|" + "---|" * (2 + len(METHODS))]
+    methods = METHODS + tuple(m for m in SCALED_METHODS if any(r["method"] == m for r in final))
+    lines = ["| layout seed | backbone | " + " | ".join(methods) + " |", "|" + "---|" * (2 + len(methods))]
     for s in sorted({r["seed"] for r in final}):
         b = got.get(("backbone", s))
         cells = [str(s), "·" if b is None else f"{100 * b:.1f} %"]
-        for m in METHODS:
+        for m in methods:
             v = got.get((m, s))
             cells.append("·" if v is None else f"{100 * v:.1f} %" + ("" if b is None else f" ({100 * (v - b):+.1f})"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -1032,6 +1056,28 @@ def dev_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def scaled_dev_table(records: list[dict]) -> str:
+    """The scaled arm on the dev layouts: each arm's final valid_seen success per layout, against GRPO's at the same
+    lr, and the check that gates its final runs (scaled_dev_check)."""
+    dev = [r for r in records if r["phase"] == "dev" and r["method"] in SCALED_METHODS]
+    lines = ["| arm | coefficient | " + " | ".join(f"layout {s}: arm (GRPO)" for s in sorted({r["seed"] for r in dev}))
+             + " | − GRPO, mean | final runs |", "|" + "---|" * (4 + len({r["seed"] for r in dev}))]
+    for lr in sorted({r["lr"] for r in dev}):
+        check = scaled_dev_check(records, lr)
+        grpo = {r["seed"]: final_eval(r, "valid_seen") for r in records if r["phase"] == "dev"
+                and r["method"] == "grpo" and r["lr"] == lr}
+        for m in SCALED_METHODS:
+            got = {r["seed"]: final_eval(r, "valid_seen") for r in dev if r["method"] == m and r["lr"] == lr}
+            cells = [m, " ".join(SCALED[m.removesuffix("_scaled")])] + [
+                "·" if s not in got else f"{100 * got[s]:.1f} %" + (f" ({100 * grpo[s]:.1f} %)" if s in grpo else "")
+                for s in sorted({r["seed"] for r in dev})]
+            c = check[m]
+            cells += ["·" if c is None else f"{100 * c:+.1f}",
+                      "·" if c is None else ("yes" if c >= SCALED_FLOOR else f"no (< {100 * SCALED_FLOOR:+.0f})")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def best_dev_lr(records: list[dict]) -> float | None:
     """The lr whose GRPO runs end highest on the dev layouts (mean final valid_seen), None before any probe."""
     dev = [r for r in records if r["phase"] == "dev" and r["method"] == "grpo"]
@@ -1049,8 +1095,9 @@ def plot(records: list[dict], out_png: str):
     base = {r["seed"]: r["evals"][-1] for r in final if r["method"] == "backbone"}
     splits = splits_in(final)
     fig, axes = plt.subplots(1, len(splits) + 1, figsize=(5 * (len(splits) + 1), 4.5))
+    methods = METHODS + tuple(m for m in SCALED_METHODS if any(r["method"] == m for r in final))
     for ax, split in zip(axes[:-1], splits):
-        for m in METHODS:
+        for m in methods:
             runs = [r for r in final if r["method"] == m and r["seed"] in base]
             if not runs:
                 continue
@@ -1060,7 +1107,7 @@ def plot(records: list[dict], out_png: str):
             ax.plot(xs, [100 * a for a, _ in stats], marker="o", ms=3, label=f"{m} ({len(runs)} seeds)")
             ax.fill_between(xs, [100 * (a - s) for a, s in stats], [100 * (a + s) for a, s in stats], alpha=0.15)
         ax.set(title=f"{split} success % (mean ± std over seeds)", xlabel="updates done")
-    for m in METHODS:
+    for m in methods:
         runs = [r for r in final if r["method"] == m]
         if runs:
             xs = sorted(set.intersection(*[{t["update"] for t in r["train"]} for r in runs]))
@@ -1082,6 +1129,8 @@ def report(results_dir: str, log=print) -> str:
     text = "## Comparison (final runs)\n\n" + comparison_table(records) \
         + "\n\n## Per layout (valid_seen, final runs)\n\n" + layout_table(records) \
         + "\n\n## lr probes (GRPO, dev layouts)\n\n" + dev_table(records) + "\n"
+    if any(r["method"] in SCALED_METHODS for r in records):
+        text += "\n## Scaled arm (`scaled`), dev layouts\n\n" + scaled_dev_table(records) + "\n"
     with open(os.path.join(results_dir, "table.md"), "w") as f:
         f.write(text)
     if any(r["phase"] == "final" and r["method"] != "backbone" for r in records):
@@ -1194,7 +1243,7 @@ FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 12
                                                    3000), decay_from=1500, bc_tasks=200,
             select_tasks=60, read_checks=(250, 500, 750, 1000, 1250), read_min=750, mech_tasks=64, mech_group=4,
             hint_tasks=24)
-COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "report")
+COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "scaled", "report")
 
 
 def backbone_digest(backbone: str) -> str:
@@ -1224,33 +1273,61 @@ def check_backbone(backbone: str, results: str) -> None:
     print(f"[experiment] backbone sha256 {digest[:16]}… recorded in {path}")
 
 
-def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float | None = None) -> None:
-    """dev: the backbone's eval and GRPO at every lr of b.dev_lrs on the dev layouts; runs: the backbone's eval and
-    the four methods on the final layouts at `lr`. Each finished run goes to results/runs.jsonl at once; a run
-    recorded there is not run again (check_backbone: on the same backbone)."""
+def planned_runs(b: Budget, phase: str, lr: float, records: list[dict]) -> list[tuple[str, str, int, float]]:
+    """(name, method, layout seed, lr) of a phase's runs, in the order they run.
+    dev: the backbone's eval and GRPO at every lr of b.dev_lrs on the dev layouts. final: the backbone's eval, then
+    GRPO on every layout (its gain over the backbone is the headline and needs all of them), then the other methods
+    layout by layout, so each finished layout adds a complete set of paired differences. scaled-dev: each scaled arm
+    on the dev layouts. scaled: the scaled arms that pass scaled_dev_check on `records`, layout by layout."""
+    if phase == "dev":
+        return [(f"backbone-dev-s{s}", "backbone", s, 0.0) for s in b.dev_seeds] + \
+            [(f"grpo-dev-lr{x:g}-s{s}", "grpo", s, x) for s in b.dev_seeds for x in b.dev_lrs]
+    if phase == "final":
+        return [(f"backbone-s{s}", "backbone", s, 0.0) for s in b.seeds] + \
+            [(f"grpo-s{s}", "grpo", s, lr) for s in b.seeds] + \
+            [(f"{m}-s{s}", m, s, lr) for s in b.seeds for m in METHODS if m != "grpo"]
+    if phase == "scaled-dev":
+        return [(f"{m}-dev-s{s}", m, s, lr) for s in b.dev_seeds for m in SCALED_METHODS]
+    check = scaled_dev_check(records, lr)
+    return [(f"{m}-s{s}", m, s, lr) for s in b.seeds for m in SCALED_METHODS
+            if check[m] is not None and check[m] >= SCALED_FLOOR]
+
+
+def scaled_dev_check(records: list[dict], lr: float) -> dict[str, float | None]:
+    """Each scaled arm's mean difference to GRPO at the same lr on the dev layouts, paired by layout (None until
+    every dev layout has both runs). An arm below SCALED_FLOOR would need its coefficient halved and the dev runs
+    redone, by hand, before any final run."""
+    got = {(r["method"], r["seed"]): final_eval(r, "valid_seen") for r in records
+           if r["phase"] == "dev" and r["lr"] == lr}
+    seeds = sorted({s for m, s in got if m == "grpo"})
+    out = {}
+    for m in SCALED_METHODS:
+        diffs = [got[(m, s)] - got[("grpo", s)] for s in seeds if (m, s) in got]
+        out[m] = sum(diffs) / len(diffs) if diffs and len(diffs) == len(seeds) else None
+    return out
+
+
+def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float = 0.0) -> None:
+    """Run a phase's planned_runs one by one (launch_all). Each finished run goes to results/runs.jsonl at once
+    (phase "dev" or "final"); a run recorded there is not run again (check_backbone: on the same backbone)."""
     check_backbone(backbone, results)
-    seeds = b.dev_seeds if phase == "dev" else b.seeds
-    oracle = Oracle(seeds, room=b.room)
+    plan = planned_runs(b, phase, lr, load_results(os.path.join(results, "runs.jsonl")))
+    oracle = Oracle(tuple(sorted({s for _, _, s, _ in plan})) or b.seeds, room=b.room)
     server = serve_oracle(oracle)
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     jobs, meta = [], {}
-    for s in seeds:  # the backbone's own score (update 0 of every curve)
-        name = f"backbone-{phase}-s{s}" if phase == "dev" else f"backbone-s{s}"
-        jobs.append((name, ["seed.py", "--eval_only"] + shared_flags(b, backbone, s, os.path.join(a.out, name), b.lr)))
-        meta[name] = ("backbone", s, 0.0)
-    # GRPO on every seed first: its gain over the backbone is the headline and needs all seeds; then the other
-    # methods seed by seed, so each finished seed adds a complete set of paired differences to GRPO
-    finals = [("grpo", s) for s in seeds] + [(m, s) for s in seeds for m in METHODS if m != "grpo"]
-    for m, run_lr, s in ([("grpo", x, s) for s in seeds for x in b.dev_lrs] if phase == "dev"
-                         else [(m, lr, s) for m, s in finals]):
-        name = f"grpo-dev-lr{run_lr:g}-s{s}" if phase == "dev" else f"{m}-s{s}"
-        script, extra = method_flags(m, url, b, run_lr)
-        jobs.append((name, [script] + shared_flags(b, backbone, s, os.path.join(a.out, name), run_lr) + extra))
+    for name, m, s, run_lr in plan:
+        if m == "backbone":  # the backbone's own score (update 0 of every curve)
+            script, extra = "seed.py", ["--eval_only"]
+        else:
+            script, extra = run_flags(m, url, b, run_lr)
+        jobs.append((name, [script] + shared_flags(b, backbone, s, os.path.join(a.out, name), run_lr or b.lr) + extra))
         meta[name] = (m, s, run_lr)
     have = {r["name"] for r in load_results(os.path.join(results, "runs.jsonl"))}
+    kind = "dev" if phase.endswith("dev") else "final"
 
     def on_done(name, out_dir, seconds):
-        append_result(os.path.join(results, "runs.jsonl"), run_record(name, phase, *meta[name], out_dir, seconds))
+        append_result(os.path.join(results, "runs.jsonl"), run_record(name, kind, *meta[name], out_dir, seconds))
 
     for name, argv in jobs:  # a run finished in an earlier sitting whose record is missing: record it now
         out_dir = argv[argv.index("--out_dir") + 1]
@@ -1321,11 +1398,17 @@ def main(argv=None):
         run_hints(a, b, backbone, cfg)
     if a.cmd in ("all", "dev"):
         run_jobs(a, b, backbone, "dev", results)
+    lr = a.lr or best_dev_lr(load_results(os.path.join(results, "runs.jsonl"))) or b.lr
     if a.cmd in ("all", "runs"):
-        lr = a.lr or best_dev_lr(load_results(os.path.join(results, "runs.jsonl"))) or b.lr
         print(f"[experiment] final runs at lr {lr:g}")
         run_jobs(a, b, backbone, "final", results, lr)
-    if a.cmd in ("all", "runs", "dev"):
+    if a.cmd == "scaled":  # not part of `all`: the labelled extra arm, beside the paper coefficients' runs
+        print(f"[experiment] scaled arm at lr {lr:g}: {SCALED}")
+        run_jobs(a, b, backbone, "scaled-dev", results, lr)
+        check = scaled_dev_check(load_results(os.path.join(results, "runs.jsonl")), lr)
+        print(f"[experiment] scaled arm − GRPO on the dev layouts (floor {SCALED_FLOOR:+}): {check}")
+        run_jobs(a, b, backbone, "scaled", results, lr)
+    if a.cmd in ("all", "runs", "dev", "scaled"):
         report(results)
 
 
