@@ -315,6 +315,17 @@ def test_experiment_smoke_run(tmp_path):
     refused = subprocess.run([sys.executable, "tools/experiment.py", "runs", "--smoke", "--out", str(out)],
                              capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode != 0 and "is not the one the runs" in refused.stderr, refused.stderr[-2000:]
+    (results / "backbone.json").write_text(json.dumps(digest))
+    scaled = subprocess.run([sys.executable, "tools/experiment.py", "scaled", "--smoke", "--out", str(out),
+                             "--threads", "1"], capture_output=True, text=True, timeout=600, env=env)
+    assert scaled.returncode == 0, scaled.stdout[-3000:] + scaled.stderr[-3000:]
+    records = E.load_results(str(results / "runs.jsonl"))
+    check = E.scaled_dev_check(records, 1e-4)
+    for arm in E.SCALED_METHODS:  # dev run with its coefficient; a final run exactly when the check passes
+        argv = json.loads((out / f"{arm}-dev-s100" / "done.json").read_text())["argv"]
+        assert argv[-2:] == E.SCALED[arm.removesuffix("_scaled")] and check[arm] is not None
+        assert (f"{arm}-s0" in {r["name"] for r in records}) == (check[arm] >= E.SCALED_FLOOR)
+    assert "## Scaled arm (`scaled`), dev layouts" in (results / "table.md").read_text()
 
 
 def test_report_regenerates_the_committed_table(tmp_path):
