@@ -1018,7 +1018,8 @@ def comparison_table(records: list[dict]) -> str:
             mu, sd = mean_std(vals)
             gain = [v - final_eval(base[r["seed"]], split) for r, v in zip(runs, vals) if r["seed"] in base]
             diff = [v - final_eval(grpo[r["seed"]], split) for r, v in zip(runs, vals) if r["seed"] in grpo]
-            cells += [f"{100 * mu:.1f} ± {100 * sd:.1f} %", fmt_ci(*mean_ci(gain)) if gain and m != "backbone" else "–",
+            cells += [f"{100 * mu:.1f} ± {100 * sd:.1f} %" if len(vals) > 1 else f"{100 * mu:.1f} %",  # no sd of one run
+                      fmt_ci(*mean_ci(gain)) if gain and m != "backbone" else "–",
                       fmt_ci(*mean_ci(diff)) if diff and m not in ("backbone", "grpo") else "–"]
         cells.append(f"{sum(r['seconds'] for r in runs) / len(runs) / 60:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
