@@ -367,6 +367,8 @@ def test_comparison_table_by_hand(tmp_path):
     assert "| seed | 3 | 50.0 ± 10.0 % | +30.0 [-19.7, +79.7] | +10.0 [-14.8, +34.8] |" in table
     mu, half = E.mean_ci([0.2, 0.1, 0.3])
     assert mu == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    # two layouts give no interval: two equal differences would otherwise print "+5.0 [+5.0, +5.0]"
+    assert E.mean_ci([0.05, 0.05]) == (pytest.approx(0.05), None) and E.fmt_ci(*E.mean_ci([0.05, 0.05])) == "+5.0"
     assert E.best_dev_lr([rec("d1", "grpo", 100, 0.3, "dev", 1e-4), rec("d2", "grpo", 100, 0.5, "dev", 3e-4)]) == 3e-4
     # per layout: each run against its own layout's backbone; a run not done yet is "·"
     layouts = E.layout_table(E.load_results(str(tmp_path / "runs.jsonl")) + [rec("b3", "backbone", 3, 0.25)])

@@ -970,9 +970,10 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 
 
 def mean_ci(values: list[float]) -> tuple[float, float | None]:
-    """Mean and the half-width of its two-sided 95 % t interval (None for fewer than 2 values)."""
+    """Mean and the half-width of its two-sided 95 % t interval (None for fewer than 3 values: two values give a
+    1-df interval that is 12.7 sd wide, or zero wide when they happen to agree, which reads as certainty)."""
     n, mu = len(values), sum(values) / len(values)
-    if n < 2:
+    if n < 3:
         return mu, None
     sd = (sum((v - mu) ** 2 for v in values) / (n - 1)) ** 0.5
     return mu, T975.get(n - 1, 1.96) * sd / n ** 0.5
