@@ -369,6 +369,9 @@ def test_comparison_table_by_hand(tmp_path):
     assert mu == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
     # two layouts give no interval: two equal differences would otherwise print "+5.0 [+5.0, +5.0]"
     assert E.mean_ci([0.05, 0.05]) == (pytest.approx(0.05), None) and E.fmt_ci(*E.mean_ci([0.05, 0.05])) == "+5.0"
+    # one run: no spread and no interval; OPID on layout 0 is 0.25 (backbone 0.2, GRPO 0.4)
+    one = E.comparison_table(E.load_results(str(tmp_path / "runs.jsonl")) + [rec("o0", "opid", 0, 0.25)])
+    assert "| opid | 1 | 25.0 % | +5.0 | -15.0 |" in one
     assert E.best_dev_lr([rec("d1", "grpo", 100, 0.3, "dev", 1e-4), rec("d2", "grpo", 100, 0.5, "dev", 3e-4)]) == 3e-4
     # per layout: each run against its own layout's backbone; a run not done yet is "·"
     layouts = E.layout_table(E.load_results(str(tmp_path / "runs.jsonl")) + [rec("b3", "backbone", 3, 0.25)])

@@ -966,7 +966,7 @@ def load_results(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 def mean_ci(values: list[float]) -> tuple[float, float | None]:
