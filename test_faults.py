@@ -133,6 +133,20 @@ def test_a_damaged_newest_checkpoint_falls_back_to_an_older_complete_one(finishe
     assert [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] == [{"update": 0, "x": 0.5}]
 
 
+def test_a_kill_between_saving_and_logging_an_update_recovers_its_row_from_the_checkpoint(finished, tmp_path):
+    """save_state writes the update's row into meta.json before run.log appends it to metrics.jsonl; a kill in
+    between leaves the checkpoint without its row, and --resume takes the row from meta.json (CI hit that window)."""
+    out = copy_run(finished, tmp_path / "run")
+    (out / "metrics.jsonl").write_text('{"update": 0, "x": 0.5}\n')  # update 1's row never reached the file
+    args = resume_args(out)
+    with one_rank() as d:
+        r = harness.Run(args, "opid", d, args.updates)
+        r.close()
+    assert r.state == str(out / "update2") and r.start == 2  # final/ renamed: the extended run writes final/ anew
+    assert [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] == [
+        {"update": 0, "x": 0.5}, {"update": 1, "x": 1.0}]  # the second row is final/meta.json's
+
+
 def test_garbage_in_the_middle_of_metrics_is_refused_with_its_line(finished, tmp_path):
     out = copy_run(finished, tmp_path / "run")
     (out / "metrics.jsonl").write_text('{"update": 0}\nNOT JSON\n{"update": 1}\n')
