@@ -150,6 +150,7 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
+    # summed on the device, read back once (C.global_sums)
     sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
     norms = []
     with timer("update"):
@@ -164,18 +165,18 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
                     t_lp, mk = m.rows(teacher), (mask * m.has(teacher)).detach()
                     if args.distill == "opd":  # SDAR, OPSD, GRPO+OPSD: Eq. (1) with ℓ_T at θ_old
                         l_opd, gate = S.opd_loss(logp, t_lp, mk, args.beta_opd, n_tok)
-                        sums["gate"] += (gate * mk).sum().item()
-                        sums["gate_sq"] += (gate ** 2 * mk).sum().item()
+                        sums["gate"] += (gate * mk).sum().detach()
+                        sums["gate_sq"] += (gate ** 2 * mk).sum().detach()
                     else:  # Skill-SD
                         l_opd = sdl_loss(logp, old_lp, t_lp, mk, n_tok)
                     loss = loss + args.lambda_opd * l_opd
-                    sums["opd"] += l_opd.item()
-                    sums["delta"] += ((t_lp - logp).detach() * mk).sum().item()
-                    sums["opd_tokens"] += mk.sum().item()
+                    sums["opd"] += l_opd.detach()
+                    sums["delta"] += ((t_lp - logp).detach() * mk).sum().detach()
+                    sums["opd_tokens"] += mk.sum().detach()
                 (loss * m.scale).backward()
-                sums["pg"] += pg.item() * m.real
-                sums["kl"] += kl.item() * m.real
-                sums["tokens"] += mask.sum().item() * m.real
+                sums["pg"] += pg.detach() * m.real
+                sums["kl"] += kl.detach() * m.real
+                sums["tokens"] += mask.sum().detach() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
     if args.rlsd_lambda > 0:  # mean Â/A over the tokens of turns with A ≠ 0: how much the teacher re-weighted
         sums["rlsd_w"] = sum((a / s.adv).sum().item() for a, s in zip(adv_tok, samples) if s.adv)

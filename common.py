@@ -67,8 +67,13 @@ def global_max(n: int, device) -> int:
     return int(all_reduce(torch.tensor([n], device=device), dist.ReduceOp.MAX).item())
 
 
-def global_sum(values: list[float], device) -> list[float]:
-    return all_reduce(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+def global_sum(values: list, device) -> list[float]:
+    """Each value summed over all ranks, in float64. A value may be a number or a 0-dim tensor that a loop summed on
+    the device (the update loops: no host sync per micro-batch); the list costs one all-reduce and one copy back."""
+    if not values:
+        return []
+    return all_reduce(torch.stack([(v.detach().double() if torch.is_tensor(v) else
+                                    torch.tensor(float(v), dtype=torch.float64)).to(device) for v in values])).tolist()
 
 
 def global_sums(values: dict[str, float], d: Dist) -> dict[str, float]:
@@ -306,7 +311,8 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         attn[i, W - len(p) - len(r):] = 1
     ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1).logits[:, :-1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1,
+                   use_cache=False).logits[:, :-1]  # (a model in eval mode would build a KV cache nobody reads)
     right = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
     n = torch.tensor([len(r) for r in responses], device=ids.device)[:, None]
     cols = torch.arange(R, device=ids.device)[None, :]

@@ -208,3 +208,42 @@ def expert_batch(tok):
     skills = ["Workflow: find the object, take it, then place it at the target receptacle."] * 8
     skills[1] = skills[5] = None
     return g0 + g1, skills
+
+
+# ------------------------------------------------------------------------------------------------ hub ids, offline
+
+HUB_ID = "rehearsal/tiny-qwen2"  # what a test passes as --model: a hub id, as every GPU user passes one
+
+
+def offline_hub(root: Path, repo_id: str = HUB_ID, seed: int = 0) -> dict:
+    """A Hugging Face cache under `root` holding `repo_id` (the tiny Qwen2-architecture model and its tokenizer) laid
+    out as the hub client writes it (models--ORG--NAME/{refs/main, snapshots/<commit>/}), and the environment that
+    serves it by hub id with no network (HF_HOME, HF_HUB_OFFLINE=1). Returns that environment's variables."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    if not (snap / "config.json").is_file():
+        tok = models.load_tokenizer("tiny")
+        models.load_model("tiny", seed).save_pretrained(snap)
+        tok.save_pretrained(snap)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+    return {"HF_HOME": str(root), "HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (Linux)."""
+    parent = {}
+    for p in Path("/proc").iterdir():
+        try:
+            parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        me = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == me]
+        out += kids
+        todo += kids
+    return out

@@ -458,7 +458,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
     weight = {"": [s.weight for s in turns], "ref": [s.weight for s in refls]}  # 1/N_i of each sample's trajectory
     r_adv = [s.adv for s in refls]  # A_ref
-    sums, norms = Counter(), []
+    sums, norms = Counter(), []  # summed on the device, read back once (C.global_sums)
     with timer("update"):
         for b in range(n_mb):
             mb, rmb = order[b::n_mb], r_order[b::n_mb]
@@ -474,13 +474,13 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                     pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, w,
                                         args.clip_eps, r_denom)
                     loss = args.alpha * pg
-                    sums["ref"] += pg.item()
+                    sums["ref"] += pg.detach()
                 else:                                                               # Eq. (13) + β·KL
                     loss, pg, kl = grsd_task_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mask,
                                                   w, args.clip_eps, args.beta_kl, denom)
-                    sums["pg"] += pg.item()
-                    sums["kl"] += kl.item()
-                    sums["tokens"] += mask.sum().item() * m.real
+                    sums["pg"] += pg.detach()
+                    sums["kl"] += kl.detach()
+                    sums["tokens"] += mask.sum().detach() * m.real
                 (loss * m.scale).backward()  # FSDP averages over ranks; a dummy counts 0
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
     a_plain = torch.cat([torch.full((len(r),), s.adv) for s, r in zip(turns, R)]) if turns else torch.zeros(0)
@@ -512,16 +512,17 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
 def main(args: Args):
     args = resolve(args)
     d = models.init_distributed(args.seed)
-    tok = models.load_tokenizer(args.model)
+    base = models.resolve_model(args.model, d)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
+    tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
     if args.eval_only:
-        return models.shutdown(harness.eval_only(args, "grsd", d, tok, evals))
+        return models.shutdown(harness.eval_only(args, "grsd", d, base, tok, evals))
     run = harness.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client, seen = harness.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
 
-    theta = run.state or args.model                                                                  # resumed θ
+    theta = run.state or base                                                                        # resumed θ
     policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
-    ref = models.shard(models.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref
+    ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)                    # π_ref
     engine = models.make_engine(args, theta, tok, d)                     # θ_old = θ̄, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import common as C
 import envs
 from common import Dist, global_sum, global_sums, total_failure
-from models import make_engine, vllm_available
+from models import MASTER, make_engine, vllm_available
 
 # ----------------------------------------------------------------------------------------------------------------
 # The run directory: resumable checkpoints, one metrics row per update (JSONL, bar, tracker), eval-only scoring
@@ -40,10 +40,13 @@ TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # each is also the pip p
 PROJECT = "skill-distill"  # the tracker project every run logs to (run name: method + out_dir)
 
 
-def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = None, files: dict | None = None):
-    """A checkpoint: an HF directory (full weights + tokenizer, AutoModelForCausalLM.from_pretrained loads it) with
-    trainer_state/ inside: the full AdamW state (optimizer.pt, FSDP2 full state dict: independent of world size),
-    every rank's Python/torch RNG (rng_rank{r}.pt) and meta.json (`next_update`, the row of the update it closes).
+def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = None, files: dict | None = None,
+               dtype: torch.dtype = torch.float32):
+    """A checkpoint: an HF directory (full weights in `dtype`, the run's compute dtype, + tokenizer:
+    AutoModelForCausalLM.from_pretrained loads it) with trainer_state/ inside: the full AdamW state (optimizer.pt,
+    FSDP2 full state dict: independent of world size), the fp32 weights when `dtype` is not fp32 (models.MASTER: what
+    a resumed run loads), every rank's Python/torch RNG (rng_rank{r}.pt) and meta.json (`next_update`, the row of the
+    update it closes). Pruned (Run._prune), a checkpoint keeps the `dtype` weights alone: 6 GB at 3B in bf16, not 12.
     Written to `path.tmp`, fsync'd, then renamed: a kill while saving leaves nothing that looks complete. A failed
     write on any rank (a full disk) removes the partial copy and stops every rank in one line. Collective."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -71,7 +74,14 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
     osd = get_optimizer_state_dict(policy, opt, options=full) if opt is not None else None
     if d.main and error is None:
         try:
+            if dtype != torch.float32:
+                write_master(sd, policy.config, os.path.join(tmp, MASTER))
+                sd = {k: v.to(dtype) for k, v in sd.items()}
             policy.save_pretrained(tmp, state_dict=sd)  # (save_pretrained empties the dict it is given)
+            if dtype != torch.float32:  # the config says what the weights on disk are
+                config = read_json(os.path.join(tmp, "config.json"))
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
             tok.save_pretrained(tmp)
             if osd is not None:
                 torch.save(osd, os.path.join(tmp, STATE, "optimizer.pt"))
@@ -101,6 +111,13 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
         os.fsync(fd)  # the rename itself
         os.close(fd)
     dist.barrier()
+
+
+def write_master(sd: dict, config, path: str):
+    """The fp32 weights of a bf16 run's checkpoint, a tied lm_head once (as the embedding)."""
+    from safetensors.torch import save_file
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    save_file({k: v.contiguous() for k, v in sd.items() if not (tied and k == "lm_head.weight")}, path)
 
 
 def saving_error(error: Exception | None, d: Dist, where: str) -> str | None:
@@ -155,6 +172,8 @@ def state_problem(path: str) -> str | None:
         if not weights or missing:
             return f"weight files missing: {', '.join(missing) or 'model.safetensors'}"
         shapes = {k: v for n in weights for k, v in safetensors_shapes(os.path.join(path, n)).items()}
+        if os.path.isfile(os.path.join(path, MASTER)) and not safetensors_shapes(os.path.join(path, MASTER)):
+            return f"{MASTER} holds no weights"
         lost = [f"rng_rank{r}.pt" for r in range(meta["world_size"])
                 if not os.path.isfile(os.path.join(path, STATE, f"rng_rank{r}.pt"))]
         if lost:
@@ -553,6 +572,7 @@ class Run:
             print(f"[{method}] " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
         self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
+        self.warned_off = False  # the rollout/trainer mismatch warning (end_update) is printed once
         reset_samples(getattr(args, "log_samples", 0))  # (nothing recorded before the run counts)
 
     def _prepare(self):
@@ -625,18 +645,24 @@ class Run:
             name = "final" if last else f"update{update + 1}"
             with timer("save"):
                 save_state(os.path.join(self.out, name), policy, tok, self.d, opt,
-                           {"next_update": update + 1, "row": {**row, **timer.as_metrics()}})
+                           {"next_update": update + 1, "row": {**row, **timer.as_metrics()}},
+                           dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
                 if self.d.main:
                     self._prune(keep=name)
         self.take_samples(row, update)
         row.update(timer.as_metrics())
         row["time/total"] = time.perf_counter() - t0
-        if self.d.device.type == "cuda":  # the update's peak GPU memory, the largest over ranks
-            peak = torch.tensor([torch.cuda.max_memory_allocated(self.d.device) / 2 ** 30], device=self.d.device)
+        if self.d.device.type == "cuda":  # the update's peak device memory (gpu_memory_peak_gib), largest over ranks
+            peak = torch.tensor([max(timer.gpu_peak, gpu_memory_peak_gib())], device=self.d.device)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             row["perf/gpu_peak_gib"] = peak.item()
-            torch.cuda.reset_peak_memory_stats(self.d.device)
         self.log(row)
+        if (self.args.engine == "vllm" and self.args.rollout_is == "none" and not self.warned_off
+                and (row.get("rollout/ratio_off_frac") or 0) > 0.01 and self.d.main):
+            self.warned_off = True  # once per run (docs/engines.md: why correction is off by default)
+            self.bar.write(f"[{self.method}] WARNING: update {update}: {row['rollout/ratio_off_frac']:.1%} of sampled "
+                           f"tokens have a rollout/trainer probability ratio off by > 10 % (bf16 sampling vs "
+                           f"scoring); --rollout_is token corrects for it (docs/engines.md)")
 
     def take_samples(self, row: dict, update: int):
         """Into `row`: the replies recorded since the last row, counted over ranks (record); rank 0's kept samples
@@ -673,12 +699,12 @@ class Run:
                   f"args: {os.path.join(self.out, 'args.json')}")
 
 
-def eval_only(args, method: str, d: Dist, tok, evals, context=None):
-    """--eval_only: score args.model (hub id, path or a run's checkpoint) on args.eval_split with `evaluate`, as
-    training does, and write one row (the papers' Vanilla row). No policy update, no FSDP copy. Returns the engine
-    (for shutdown)."""
+def eval_only(args, method: str, d: Dist, model: str, tok, evals, context=None):
+    """--eval_only: score `model` (--model resolved by models.resolve_model: a directory, a run's checkpoint or tiny)
+    on args.eval_split with `evaluate`, as training does, and write one row (the papers' Vanilla row). No policy
+    update, no FSDP copy. Returns the engine (for shutdown)."""
     run, timer = Run(args, method, d, total=1), Timer()
-    engine = make_engine(args, args.model, tok, d)
+    engine = make_engine(args, model, tok, d)
     with timer("eval"):
         row = evaluate_all(engine, evals, args, d, context)
     run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
@@ -686,11 +712,25 @@ def eval_only(args, method: str, d: Dist, tok, evals, context=None):
     return engine
 
 
+def gpu_memory_peak_gib() -> float:
+    """GiB in use on this rank's GPU at its peak since the last call, as the device sees it: what is in use now
+    (torch.cuda.mem_get_info: every allocator, NCCL, vLLM's pool while awake) plus how far the caching allocator's
+    reserve rose above where it is now. Read in vLLM 0.32's source, not measured: its sleep-mode pool is a torch
+    MemPool that stays booked as allocated and reserved while asleep, so max_memory_allocated alone would count
+    tens of GiB the device has back, and the rise above cancels it. Resets the peak statistics."""
+    free, total = torch.cuda.mem_get_info()
+    rise = torch.cuda.max_memory_reserved() - torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    return (total - free + rise) / 2 ** 30
+
+
 class Timer:
-    """Wall seconds per phase: `with timer("rollout"): ...` then timer.as_metrics()."""
+    """Wall seconds per phase: `with timer("rollout"): ...` then timer.as_metrics(). On GPU every phase's end also
+    samples the device memory peak (gpu_memory_peak_gib) into gpu_peak."""
 
     def __init__(self):
         self.s: dict[str, float] = {}
+        self.gpu_peak = 0.0
 
     def __call__(self, name):
         timer = self
@@ -701,6 +741,8 @@ class Timer:
 
             def __exit__(self, *exc):
                 timer.s[name] = timer.s.get(name, 0.0) + time.perf_counter() - self.t
+                if torch.cuda.is_available():
+                    timer.gpu_peak = max(timer.gpu_peak, gpu_memory_peak_gib())
         return _Ctx()
 
     def as_metrics(self) -> dict:

@@ -2,6 +2,8 @@
 sharding, and the rollout engines (HF copy or vLLM) that hold θ_old. Nothing here is a paper's equation.
 
   * init_distributed: one code path for 1 or many processes (without torchrun, a 1-rank gloo group on localhost).
+  * resolve_model: --model (a hub id, a directory, `~/dir`, `tiny`) -> the local directory every rank loads; a hub id
+    is fetched into the Hugging Face cache once per node before any rank reads it.
   * An engine's contract: sync(FSDP model) pushes θ, generate / sample(prompt ids) -> response ids (each ends at and
     includes its first stop token; sample also returns the engine's sampled-token log-probs or None),
     generate_text(user texts) for the non-acting roles, sleep() before the update, close() at the end.
@@ -9,7 +11,7 @@ sharding, and the rollout engines (HF copy or vLLM) that hold θ_old. Nothing he
 from __future__ import annotations
 
 import datetime
-import json
+import gc
 import os
 import random
 import shutil
@@ -133,30 +135,86 @@ def build_tiny_model(vocab_size: int, seed: int):
         return AutoModelForCausalLM.from_config(cfg)
 
 
+def resolve_model(name: str, d: Dist) -> str:
+    """What --model names, as the local directory every rank loads from: `tiny` stays `tiny`; a directory (`~`
+    expanded) is itself; anything else is a hub id, fetched into the Hugging Face cache (or found there: offline,
+    HF_HUB_OFFLINE=1) by local rank 0 of each node while the other ranks wait at a barrier, then looked up in the cache
+    by every rank, so 8 ranks never race one download and all read the same snapshot. Safetensors weights, configs
+    and tokenizer files only (`*.bin` where a repository has no safetensors). A model found nowhere stops every rank
+    with one line naming what was tried. Collective."""
+    if name == "tiny":
+        return name
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    error = None
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        try:
+            fetch_snapshot(name, offline=False)
+        except Exception as e:  # noqa: BLE001 (any failure of the hub client becomes the one line below)
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    errors = [None] * d.world
+    dist.all_gather_object(errors, error)  # (also the barrier: no rank looks before its node's rank 0 is done)
+    error = next((e for e in errors if e), None)
+    if error is None:
+        try:
+            return fetch_snapshot(name, offline=True)
+        except Exception as e:  # noqa: BLE001 (a cache another process changed meanwhile)
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
+    hub = "the hub was not asked (HF_HUB_OFFLINE=1)" if HF_HUB_OFFLINE else "the hub could not give it"
+    raise SystemExit(f"--model {name}: no directory {path}, not in the Hugging Face cache {HF_HUB_CACHE}, and {hub} "
+                     f"({error}); pass a local model directory, tiny, or a hub id with network access")
+
+
+def fetch_snapshot(repo_id: str, offline: bool) -> str:
+    """The cached snapshot directory of hub model `repo_id` (downloaded first unless `offline`)."""
+    from huggingface_hub import snapshot_download
+    wanted = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+    path = snapshot_download(repo_id, allow_patterns=wanted, local_files_only=offline)
+    if not any(n.endswith(".safetensors") for n in os.listdir(path)):  # an older repository: PyTorch weights only
+        path = snapshot_download(repo_id, allow_patterns=wanted + ["*.bin"], local_files_only=offline)
+    return path
+
+
+def model_config(name: str):
+    """The text model's config (transformers knows where it sits: nested `text_config` for multimodal checkpoints)."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(name).get_text_config()
+
+
 def load_tokenizer(name: str):
-    """The tiny tokenizer, or `name`'s. A model directory whose tokenizer has more tokens than its weights' vocabulary
-    (a checkpoint paired with another tokenizer) is refused in one line: its ids would index past the embedding."""
+    """The tiny tokenizer, or `name`'s (a directory: resolve_model first). A tokenizer with more tokens than the
+    weights' vocabulary (a checkpoint paired with another tokenizer) is refused in one line: its ids would index past
+    the embedding."""
     from transformers import AutoTokenizer
     if name == "tiny":
         return build_tiny_tokenizer()
     tok = AutoTokenizer.from_pretrained(name, padding_side="left")
-    config = os.path.join(os.path.expanduser(name), "config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            cfg = json.load(f)
-        vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
-        if isinstance(vocab, int) and len(tok) > vocab:
-            raise SystemExit(f"--model {name}: its tokenizer has {len(tok)} tokens but the weights' vocabulary "
-                             f"{vocab}: a checkpoint paired with another tokenizer")
+    vocab = getattr(model_config(name), "vocab_size", None)
+    if isinstance(vocab, int) and len(tok) > vocab:
+        raise SystemExit(f"--model {name}: its tokenizer has {len(tok)} tokens but the weights' vocabulary "
+                         f"{vocab}: a checkpoint paired with another tokenizer")
     return tok
 
 
+MASTER = os.path.join("trainer_state", "master.safetensors")  # a bf16 run's fp32 weights (harness.save_state)
+
+
 def load_model(name: str, seed: int, dtype=torch.float32):
-    """Full (unsharded) weights on CPU; identical on every rank (same seed / same files)."""
+    """Full (unsharded) weights on CPU; identical on every rank (same seed / same files). A checkpoint of a bf16 run
+    holds bf16 weights for users and, while it is resumable, the fp32 weights in MASTER: those are loaded, so a
+    resumed run continues from exactly the weights it saved."""
     from transformers import AutoModelForCausalLM
     if name == "tiny":
         return build_tiny_model(len(load_tokenizer("tiny")), seed).to(dtype)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    if os.path.isfile(os.path.join(name, MASTER)):
+        from safetensors.torch import load_file
+        missing, unexpected = model.load_state_dict(load_file(os.path.join(name, MASTER)), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # (a tied head is saved once, as the embedding)
+            raise SystemExit(f"{name}: {MASTER} does not fit its config ({(unexpected + missing)[:3]})")
+    return model
 
 
 def end_of_turn_id(tok) -> int:
@@ -202,10 +260,29 @@ def shard(model, d: Dist, bf16: bool, trainable: bool = True, grad_ckpt: bool = 
     return model
 
 
-def full_state_dict_iter(model):
-    """Yield (name, full tensor) from an FSDP2 model. Collective: every rank iterates in the same order."""
-    for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+def release_memory():
+    """Free what the caller dropped: FSDP2 keeps a module ↔ state reference cycle, so `del model` frees nothing until
+    a full garbage collection; then return the cached blocks to the GPU (for vLLM waking, or another process)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def full_state_dict_iter(model, dtype: torch.dtype):
+    """Yield (name, full tensor in `dtype`) from an FSDP2 model, for a rollout engine. Each shard is cast before it is
+    gathered (a bf16 engine: half the bytes of an fp32 all-gather), and a tensor shared by two names (a tied lm_head
+    is the embedding) is gathered once and yielded under both: vLLM needs the lm_head name too (a layer it gets no
+    weights for is put back as it was, silently untying it from the new embedding). Collective: every rank iterates
+    in the same order."""
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    gathered: dict[int, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():  # (the parameters themselves: a tied one is one object)
+        if id(t) not in gathered:
+            local = t.detach().to(dtype)
+            gathered[id(t)] = local.full_tensor() if hasattr(local, "full_tensor") else local
+        yield name, gathered[id(t)]
+        if not (tied and t is model.get_input_embeddings().weight):
+            gathered.pop(id(t))  # only a tied embedding is asked for again
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,6 +297,7 @@ def full_state_dict_iter(model):
 class HFEngine:
     def __init__(self, model, tok, device, gen_batch: int = 64):
         self.model = model.to(device).eval().requires_grad_(False)
+        self.dtype = next(model.parameters()).dtype
         self.tok, self.device, self.gen_batch = tok, device, gen_batch
         self.stops = stop_token_ids(tok)
         self.generated = self.prompted = self.prompts = 0  # tokens sampled / prompt tokens read / prompts so far,
@@ -228,8 +306,8 @@ class HFEngine:
     @torch.no_grad()
     def sync(self, fsdp_model):
         """θ_old ← θ: copy the trained weights into the rollout model."""
-        own = self.model.state_dict()
-        for name, t in full_state_dict_iter(fsdp_model):
+        own = self.model.state_dict()  # (a tied lm_head shares the embedding's storage)
+        for name, t in full_state_dict_iter(fsdp_model, self.dtype):
             own[name].copy_(t)
 
     @torch.no_grad()
@@ -302,7 +380,7 @@ class VLLMEngine(HFEngine):
         self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
         self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
         self.generated = self.prompted = self.prompts = 0
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.dtype = dtype = torch.bfloat16 if args.bf16 else torch.float32
         if name == "tiny":  # vLLM loads models from a directory: every rank writes the in-process tiny model to
             from safetensors.torch import save_model  # its own (save_pretrained writes on rank 0 only)
             self._dir = tempfile.mkdtemp(prefix="tiny-vllm-")
@@ -313,8 +391,8 @@ class VLLMEngine(HFEngine):
             name = self._dir
         memory = dict(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True) if self.gpu \
             else dict(kv_cache_memory_bytes=int(args.cpu_kv_cache_gb * 2 ** 30), enforce_eager=True)
-        with open(os.path.join(name, "config.json")) as f:  # vLLM refuses a KV cache too small for one sequence
-            model_max = json.load(f).get("max_position_embeddings") or 10 ** 9  # of the model's full length
+        # vLLM refuses a KV cache too small for one sequence of the model's full length: size it to the run's
+        model_max = getattr(model_config(name), "max_position_embeddings", None) or 10 ** 9
         memory["max_model_len"] = min(model_max, longest_context(args))
         py_state, threads, set_threads = random.getstate(), torch.get_num_threads(), torch.set_num_threads
         with torch.random.fork_rng(devices=[d.device] if self.gpu else []):  # vLLM seeds the global RNGs
@@ -340,7 +418,8 @@ class VLLMEngine(HFEngine):
         """θ_old ← θ: push every full tensor into the engine (collective over ranks, like HFEngine.sync)."""
         if self.gpu and self.asleep:
             self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights are written
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_state_dict_iter(fsdp_model)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_state_dict_iter(fsdp_model,
+                                                                                               self.dtype)})
         if self.gpu and self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

@@ -535,9 +535,9 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 loss, pg, kl = opid_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mb_mask,
                                          args.clip_eps, args.beta_kl, n_tok)               # l.29-30 (· w: --rollout_is)
                 (loss * m.scale).backward()
-                sums["pg"] += pg.item() * m.real
-                sums["kl"] += kl.item() * m.real
-                sums["tokens"] += mb_mask.sum().item() * m.real
+                sums["pg"] += pg.detach() * m.real
+                sums["kl"] += kl.detach() * m.real
+                sums["tokens"] += mb_mask.sum().detach() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.31
     tot = Counter(C.global_sums(sums, d))
     n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
@@ -576,16 +576,17 @@ def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> di
 def main(args: Args):
     args = resolve(args)
     d = models.init_distributed(args.seed)
-    tok = models.load_tokenizer(args.model)
+    base = models.resolve_model(args.model, d)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
+    tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
     if args.eval_only:
-        return models.shutdown(harness.eval_only(args, "opid", d, tok, evals))
+        return models.shutdown(harness.eval_only(args, "opid", d, base, tok, evals))
     run = harness.Run(args, "opid", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client, seen = harness.make_client(args.analyzer_url, args.analyzer_model, "analyzer", args), [0, 0]
 
-    theta = run.state or args.model                                                                  # resumed θ
+    theta = run.state or base                                                                        # resumed θ
     policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
-    ref = models.shard(models.load_model(args.model, args.seed), d, args.bf16, trainable=False)              # π_ref, frozen
+    ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)                    # π_ref, frozen
     engine = models.make_engine(args, theta, tok, d)                     # rollout engine: θ_old, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:

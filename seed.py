@@ -271,11 +271,11 @@ def analyze(trajs, engine, args, client=None) -> list[str | None]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
+def run_stage1(args, d, base, tok, make_env, train_ids, run, engine) -> str:
     """Collect B (M tasks × K0) with the base policy (the engine holds it), annotate, keep v_τ = 1, fine-tune with
     L_sft, save θ_sft with its skill library (a checkpoint that --resume restarts stage 2 from). Returns its path."""
     timer, t0 = harness.Timer(), time.perf_counter()
-    policy = models.shard(models.load_model(args.model, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
+    policy = models.shard(models.load_model(base, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
     tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
     run.note(f"stage 1: {args.sft_tasks} tasks × {args.sft_rollouts} rollouts with the base policy")
     with timer("rollout"):
@@ -305,9 +305,10 @@ def run_stage1(args, d, tok, make_env, train_ids, run, engine) -> str:
     skills_jsonl = "".join(json.dumps(x) + "\n" for part in C.all_gather_objects(library) for x in part)
     with timer("save"):
         harness.save_state(path, policy, tok, d, meta={"next_update": 0, "row": {**row, **timer.as_metrics()}},
-                     files={"skills.jsonl": skills_jsonl})
+                           files={"skills.jsonl": skills_jsonl}, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     run.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
     del policy
+    models.release_memory()  # θ_sft is on disk; stage 2 loads it (at 3B, ~11 GiB of GPU memory otherwise kept)
     return path
 
 
@@ -330,7 +331,7 @@ def sft_train(policy, tok, data, args, d) -> dict:
                 logp, mask = m.logprobs(policy)
                 loss = sft_loss(logp, mask, n_global) * m.scale  # FSDP averages over ranks; a dummy counts 0
                 loss.backward()
-                total += loss.item() / d.world
+                total += loss.detach() / d.world
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
             losses.append(C.global_sum([total], d.device)[0])
     if not losses:  # --sft_epochs 0: θ_sft = the base policy
@@ -401,6 +402,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
+    # summed on the device, read back once (C.global_sums)
     sums = dict(pg=0.0, kl=0.0, opd=0.0, gate=0.0, gate_sq=0.0, delta=0.0, opd_tokens=0.0, tokens=0.0)
     norms = []
     with timer("update"):
@@ -419,15 +421,15 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                     t_lp, mk = m.rows(teacher), (mask * m.has(teacher)).detach()  # no valid skill: no L_opd numerator
                     l_opd, gate = opd_loss(logp, t_lp, mk, args.beta_opd, n_tok)  # l.23-24, 27: Eq. (1)
                     loss = loss + args.lambda_opd * l_opd  # L_SEED (l.28)
-                    sums["opd"] += l_opd.item()
-                    sums["gate"] += (gate * mk).sum().item()
-                    sums["gate_sq"] += (gate ** 2 * mk).sum().item()
-                    sums["delta"] += ((t_lp - logp).detach() * mk).sum().item()
-                    sums["opd_tokens"] += mk.sum().item()
+                    sums["opd"] += l_opd.detach()
+                    sums["gate"] += (gate * mk).sum().detach()
+                    sums["gate_sq"] += (gate ** 2 * mk).sum().detach()
+                    sums["delta"] += ((t_lp - logp).detach() * mk).sum().detach()
+                    sums["opd_tokens"] += mk.sum().detach()
                 (loss * m.scale).backward()
-                sums["pg"] += pg.item() * m.real
-                sums["kl"] += kl.item() * m.real
-                sums["tokens"] += mask.sum().item() * m.real
+                sums["pg"] += pg.detach() * m.real
+                sums["kl"] += kl.detach() * m.real
+                sums["tokens"] += mask.sum().detach() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
     tot = C.global_sums(sums, d)
     n_opd = max(tot["opd_tokens"], 1.0)
@@ -460,24 +462,25 @@ def library_skills(trajs, lib, rng) -> list[str | None]:
 def main(args: Args):
     args = resolve(args)
     d = models.init_distributed(args.seed)
-    tok = models.load_tokenizer(args.model)
+    base = models.resolve_model(args.model, d)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
+    tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
     library = baselines.load_library(args.skill_library) if args.skill_source == "library" else None  # Table 1
     train_context = baselines.library_context(library, tok, args) if args.train_with_skills else None  # Skill-GRPO
     eval_context = baselines.library_context(library, tok, args) if args.eval_with_skills else None  # Skill-Prompt*
     if args.eval_only:
-        return models.shutdown(harness.eval_only(args, "seed", d, tok, evals, eval_context))
+        return models.shutdown(harness.eval_only(args, "seed", d, base, tok, evals, eval_context))
     run = harness.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
     # the rollout engine, for both stages: it holds the base model for stage 1; sync() pushes θ before every use
-    engine = models.make_engine(args, args.model, tok, d)
+    engine = models.make_engine(args, base, tok, d)
 
     # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input). A resumed run found it done.
     if args.skip_sft:
-        init = args.model
+        init = base
     elif run.state:  # stage 1 finished before the checkpoint we resume from
         init = os.path.join(args.out_dir, "stage1")
     else:
-        init = run_stage1(args, d, tok, make_train, train_ids, run, engine)
+        init = run_stage1(args, d, base, tok, make_train, train_ids, run, engine)
     static = static_library(init) if args.skill_source == "static" else None
     theta = run.state or init                                                        # resumed θ
     policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft

@@ -18,7 +18,7 @@ import torch
 import bench
 import harness
 import plot
-from conftest import HERE, env, free_port, one_rank, rows_of, run
+from conftest import HERE, descendants, env, free_port, one_rank, rows_of, run
 
 BASE = ["--tasks_per_update", "2", "--group_size", "2", "--eval_tasks", "2"]
 FAST = {"seed": ["--sft_tasks", "2", "--sft_rollouts", "2"], "opid": [],
@@ -36,23 +36,6 @@ def python(method, out, *extra):
 
 def untimed(rows):
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (Linux)."""
-    parent = {}
-    for p in Path("/proc").iterdir():
-        try:
-            parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (ValueError, OSError, IndexError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        me = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == me]
-        out += kids
-        todo += kids
-    return out
 
 
 def weights(path):
@@ -433,18 +416,6 @@ def test_bench_prices_unavoidable_work_at_grpos_rates():
     times = [{"time/total": t, "time/save": 0.5} for t in (11.0, 12.0, 13.0)]
     base = [{"time/total": t, "time/save": 0.5} for t in (10.0, 10.0, 11.0)]
     assert bench.paired_spread(times, base) == pytest.approx(3 ** -0.5)  # differences 1, 2, 2: sd √(1/3)
-
-
-@pytest.mark.slow
-def test_gpu_check_cpu_smoke_passes_its_own_checks(tmp_path):
-    """tools/gpu_check.py --cpu-smoke: one update of each method (tiny, gloo) under torchrun, its table, the checks
-    (finite losses, no skipped step) and the bf16-vs-fp32 scoring gap, so the GPU script cannot rot unrun."""
-    res = run([sys.executable, str(HERE / "tools" / "gpu_check.py"), "--cpu-smoke", "--out", str(tmp_path)], timeout=600)
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| tiny |")]
-    assert [r.split(" | ")[1] for r in rows] == ["grpo", "seed", "opid", "grsd"]
-    teacher = {r.split(" | ")[1]: float(r.split(" | ")[11]) for r in rows}
-    assert teacher["opid"] > 0 and teacher["seed"] > 0  # the teacher branches ran (the oracle's skills)
-    assert "all checks passed" in res.stdout and "bf16 vs fp32 scoring gap, mean 0.00" in res.stdout
 
 
 def test_threads_sets_torch_threads_for_the_run():

