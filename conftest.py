@@ -87,8 +87,10 @@ def free_port():
 
 
 def env():
-    """A child's environment: this one with 1 OpenMP thread, no tokenizer threads, unbuffered output."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    """A child's environment: this one without the process-group variables of a group pytest may hold (a plain
+    `python opid.py` child would rendezvous on its port: EADDRINUSE), with 1 OpenMP thread, no tokenizer threads,
+    unbuffered output."""
+    return {**clean_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def clean_env():
@@ -215,17 +217,21 @@ def expert_batch(tok):
 HUB_ID = "rehearsal/tiny-qwen2"  # what a test passes as --model: a hub id, as every GPU user passes one
 
 
-def offline_hub(root: Path, repo_id: str = HUB_ID, seed: int = 0) -> dict:
-    """A Hugging Face cache under `root` holding `repo_id` (the tiny Qwen2-architecture model and its tokenizer) laid
-    out as the hub client writes it (models--ORG--NAME/{refs/main, snapshots/<commit>/}), and the environment that
-    serves it by hub id with no network (HF_HOME, HF_HUB_OFFLINE=1). Returns that environment's variables."""
+def offline_hub(root: Path, repo_id: str = HUB_ID, source: Path | None = None) -> dict:
+    """A Hugging Face cache under `root` holding `repo_id` (a copy of the model directory `source`, or the tiny
+    Qwen2-architecture model and its tokenizer) laid out as the hub client writes it (models--ORG--NAME/{refs/main,
+    snapshots/<commit>/}), and the environment that serves it by hub id with no network (HF_HOME, HF_HUB_OFFLINE=1).
+    Returns that environment's variables."""
+    import shutil
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
     snap = repo / "snapshots" / commit
     if not (snap / "config.json").is_file():
-        tok = models.load_tokenizer("tiny")
-        models.load_model("tiny", seed).save_pretrained(snap)
-        tok.save_pretrained(snap)
+        if source is not None:
+            shutil.copytree(source, snap)
+        else:
+            models.load_model("tiny", 0).save_pretrained(snap)
+            models.load_tokenizer("tiny").save_pretrained(snap)
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / "main").write_text(commit)
     return {"HF_HOME": str(root), "HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1",

@@ -512,7 +512,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
 def main(args: Args):
     args = resolve(args)
     d = models.init_distributed(args.seed)
-    base = models.resolve_model(args.model, d)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
+    base = models.resolve_model(args.model)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
     tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
     if args.eval_only:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
-from common import Dist, encode_prompt, left_pad
+from common import Dist, all_gather_objects, encode_prompt, left_pad
 
 hf_logging.disable_progress_bar()  # one progress bar per run: ours (harness.Run)
 
@@ -135,13 +135,13 @@ def build_tiny_model(vocab_size: int, seed: int):
         return AutoModelForCausalLM.from_config(cfg)
 
 
-def resolve_model(name: str, d: Dist) -> str:
+def resolve_model(name: str) -> str:
     """What --model names, as the local directory every rank loads from: `tiny` stays `tiny`; a directory (`~`
     expanded) is itself; anything else is a hub id, fetched into the Hugging Face cache (or found there: offline,
     HF_HUB_OFFLINE=1) by local rank 0 of each node while the other ranks wait at a barrier, then looked up in the cache
     by every rank, so 8 ranks never race one download and all read the same snapshot. Safetensors weights, configs
     and tokenizer files only (`*.bin` where a repository has no safetensors). A model found nowhere stops every rank
-    with one line naming what was tried. Collective."""
+    with one line naming what was tried. Collective when a process group exists."""
     if name == "tiny":
         return name
     path = os.path.expanduser(name)
@@ -153,9 +153,8 @@ def resolve_model(name: str, d: Dist) -> str:
             fetch_snapshot(name, offline=False)
         except Exception as e:  # noqa: BLE001 (any failure of the hub client becomes the one line below)
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    errors = [None] * d.world
-    dist.all_gather_object(errors, error)  # (also the barrier: no rank looks before its node's rank 0 is done)
-    error = next((e for e in errors if e), None)
+    if dist.is_initialized():  # (also the barrier: no rank looks before its node's rank 0 is done)
+        error = next((e for e in all_gather_objects(error) if e), None)
     if error is None:
         try:
             return fetch_snapshot(name, offline=True)

@@ -462,7 +462,7 @@ def library_skills(trajs, lib, rng) -> list[str | None]:
 def main(args: Args):
     args = resolve(args)
     d = models.init_distributed(args.seed)
-    base = models.resolve_model(args.model, d)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
+    base = models.resolve_model(args.model)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
     tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
     library = baselines.load_library(args.skill_library) if args.skill_source == "library" else None  # Table 1

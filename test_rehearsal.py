@@ -151,17 +151,17 @@ def test_resolve_model_finds_a_hub_id_in_the_offline_cache_and_leaves_directorie
     monkeypatch.setattr(hc, "HF_HUB_CACHE", served["HF_HUB_CACHE"])  # (read at import: set it as the user's env would)
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    path = models.resolve_model(HUB_ID, d)
+    path = models.resolve_model(HUB_ID)
     assert path.startswith(served["HF_HUB_CACHE"]) and os.path.isfile(os.path.join(path, "config.json"))
-    assert models.resolve_model(path, d) == path and models.resolve_model("tiny", d) == "tiny"
+    assert models.resolve_model(path) == path and models.resolve_model("tiny") == "tiny"
     home = tmp_path / "home"
     (home / "m").mkdir(parents=True)
     monkeypatch.setenv("HOME", str(home))
-    assert models.resolve_model("~/m", d) == str(home / "m")
+    assert models.resolve_model("~/m") == str(home / "m")
     tok = models.load_tokenizer(path)  # the vocabulary check reads the config through transformers
     assert len(tok) == models.model_config(path).vocab_size
     with pytest.raises(SystemExit, match="--model nobody/nothing: no directory .* not in the Hugging Face cache"):
-        models.resolve_model("nobody/nothing", d)
+        models.resolve_model("nobody/nothing")
 
 
 def test_model_config_reads_a_nested_text_config(tmp_path):

