@@ -171,7 +171,7 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
                         l_opd = sdl_loss(logp, old_lp, t_lp, mk, n_tok)
                     loss = loss + args.lambda_opd * l_opd
                     sums["opd"] += l_opd.detach()
-                    sums["delta"] += ((t_lp - logp).detach() * mk).sum().detach()
+                    sums["delta"] += ((t_lp - logp) * mk).sum().detach()
                     sums["opd_tokens"] += mk.sum().detach()
                 (loss * m.scale).backward()
                 sums["pg"] += pg.detach() * m.real

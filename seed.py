@@ -424,7 +424,7 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                     sums["opd"] += l_opd.detach()
                     sums["gate"] += (gate * mk).sum().detach()
                     sums["gate_sq"] += (gate ** 2 * mk).sum().detach()
-                    sums["delta"] += ((t_lp - logp).detach() * mk).sum().detach()
+                    sums["delta"] += ((t_lp - logp) * mk).sum().detach()
                     sums["opd_tokens"] += mk.sum().detach()
                 (loss * m.scale).backward()
                 sums["pg"] += pg.detach() * m.real

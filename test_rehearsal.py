@@ -125,8 +125,11 @@ def test_kill_9_then_resume_a_run_started_from_a_hub_id(hub, tmp_path):
         os.kill(pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "final").exists(), "killed too late: the run had finished"
+    state = harness.latest_state(str(out))[0]
+    done = harness.read_meta(state)["next_update"]
+    assert done >= 1  # update1/ (or later) is on disk: the resumed run restores AdamW and redoes nothing done
     res = run_ok(cmd + ["--resume"], hub)
-    assert "resuming" in res.stdout and "at update" in res.stdout
+    assert f"resuming {state} at update {done}" in res.stdout
     check_trained(out, 2, updates=3)
 
 
