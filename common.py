@@ -543,6 +543,15 @@ def rank_slice(items: list, d: Dist) -> list:
     return items[d.rank::d.world]
 
 
+def set_lr(opt, lr: float, update: int, warmup: int) -> float:
+    """The lr of update `update` (0-based): linear warm-up over `warmup` updates, then constant (warmup 0: constant,
+    as the papers). A function of the update index alone, so a resumed run continues the same schedule."""
+    now = lr * min(1.0, (update + 1) / warmup) if warmup > 0 else lr
+    for group in opt.param_groups:
+        group["lr"] = now
+    return now
+
+
 def n_minibatches(n_local: int, minibatch_turns: int, d: Dist) -> int:
     """Mini-batch of `minibatch_turns` turns over all ranks (paper: 256, 1 epoch); the count agrees across ranks."""
     per_rank = max(1, minibatch_turns // d.world)

@@ -54,6 +54,7 @@ CLI: `python envs.py serve-retriever --corpus corpus.jsonl --port 8000` serves B
 """
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import http.client
@@ -725,17 +726,41 @@ def check_retrieve_reply(reply, n_queries: int) -> list[list]:
     return result
 
 
+def proxy_for(u):
+    """The proxy the environment names for URL parts `u` (HTTPS_PROXY for https, HTTP_PROXY for http, either case,
+    as urllib.request.getproxies reads them), or None: no proxy set, or the host is listed in NO_PROXY."""
+    import urllib.parse
+    import urllib.request
+    proxy = urllib.request.getproxies().get(u.scheme)
+    if not proxy or urllib.request.proxy_bypass(u.hostname or ""):
+        return None
+    return urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+
+
 def post_within(url: str, body: bytes, headers: dict, timeout: float) -> bytes:
     """POST `body` and return the whole reply body, all within `timeout` seconds: a socket timeout alone restarts
     with every byte received, so a server that drips its reply could hold the caller for ever; here a timer shuts
     the socket at the deadline. Raises TimeoutError past it, urllib.error.HTTPError for a non-2xx status, and
-    OSError / http.client.HTTPException for the rest. (Plain http.client: proxy variables are not used.)"""
+    OSError / http.client.HTTPException for the rest. HTTPS_PROXY / HTTP_PROXY / NO_PROXY are honoured as urllib
+    reads them (proxy_for): an https URL goes through a CONNECT tunnel, an http one to the proxy with its full URL."""
     import socket
     import urllib.error
     import urllib.parse
     u = urllib.parse.urlsplit(url)
-    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
-        u.hostname, u.port, timeout=timeout)
+    proxy, target, headers = proxy_for(u), (u.path or "/") + (f"?{u.query}" if u.query else ""), dict(headers)
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    if proxy is None:
+        conn = cls(u.hostname, u.port, timeout=timeout)
+    else:
+        conn = cls(proxy.hostname, proxy.port or 80, timeout=timeout)
+        auth = {"Proxy-Authorization": "Basic " + base64.b64encode(
+            f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}".encode()).decode()
+        } if proxy.username else {}
+        if u.scheme == "https":
+            conn.set_tunnel(u.hostname, u.port, headers=auth)
+        else:
+            target = urllib.parse.urlunsplit(u._replace(fragment=""))  # a plain-http proxy takes the absolute URL
+            headers.update(auth)
     expired, sock = threading.Event(), []
 
     def expire():
@@ -753,7 +778,7 @@ def post_within(url: str, body: bytes, headers: dict, timeout: float) -> bytes:
         sock.append(conn.sock)
         if expired.is_set():  # connected just after the deadline: the timer found no socket to shut
             raise TimeoutError
-        conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body, headers)
+        conn.request("POST", target, body, headers)
         reply = conn.getresponse()
         data = reply.read()
         if expired.is_set():

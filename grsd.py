@@ -529,6 +529,7 @@ def main(args: Args):
         harness.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved
 
     for update in range(run.start, args.updates):
+        C.set_lr(opt, args.lr, update, args.lr_warmup)  # --lr_warmup (0: the papers' constant lr)
         timer, t0, work = harness.Timer(), time.perf_counter(), harness.engine_work(engine)
         with timer("sync"):
             engine.sync(policy)                                                      # Alg. 1 l.1

@@ -294,7 +294,7 @@ MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields
     "env_workers": (0, "env worker processes per rank; 0 = none"),
     "max_steps": (1, "steps per episode"), "max_prompt_len": (64, "prompt tokens"),
     "max_response_len": (1, "response tokens"), "eval_every": (0, "0 = no eval"), "eval_tasks": (1, "held-out tasks"),
-    "save_every": (1, "updates between checkpoints"), "sft_tasks": (1, "M"), "sft_rollouts": (1, "K0"),
+    "save_every": (1, "updates between checkpoints"), "lr_warmup": (0, "updates of lr warm-up; 0 = none"), "sft_tasks": (1, "M"), "sft_rollouts": (1, "K0"),
     "sft_epochs": (0, "SFT epochs"), "sft_batch": (1, "SFT examples per step"),
     "annotator_max_tokens": (1, "tokens"), "analyzer_max_tokens": (1, "tokens"), "judge_max_tokens": (1, "tokens"),
     "reflection_max_tokens": (1, "tokens"), "reflection_prompt_len": (64, "tokens"), "skill_max_tokens": (1, "tokens"),
@@ -1087,6 +1087,8 @@ class RunArgs:
                                     "small machine 1 can be several times faster)")
     max_skipped_steps: int = arg(3, "optimizer steps in a row skipped for a non-finite gradient norm (NaN/inf loss "
                                     "or gradient) that stop the run")
+    lr_warmup: int = arg(0, "updates of linear lr warm-up: update u trains at lr·min(1, (u+1)/k) (0: the constant lr "
+                            "of the papers; the laptop experiment's regime warms up, docs/experiment.md)")
     # Lengths, sampling and batching
     max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
     max_response_len: int | None = arg(None, "response tokens (paper 512)")

@@ -3,6 +3,7 @@ out_dir, divergence, bad float flags, endpoints that drip their reply, orphaned 
 is a one-line refusal or a counted fallback, and the tests check that nothing already on disk changed."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -352,6 +354,75 @@ def test_the_timeout_bounds_a_dripping_reply():
         server.shutdown()
     assert client.failures == 2 and 1.5 <= chat < 3.0 and 1.5 <= retrieve < 3.0, (chat, retrieve)
 
+
+
+class Echo(Quiet):
+    """The endpoint behind the proxy: answers every POST with its path and body."""
+
+    def do_POST(self):
+        send_json(self, {"path": self.path, "body": self.rfile.read(int(self.headers["Content-Length"])).decode()})
+
+
+class Proxy(Quiet):
+    """A forward proxy: a plain-http request (absolute URL) is relayed to its server; CONNECT is refused with 403 (a
+    TLS tunnel needs a certificate the test does not have) after it is recorded. `hang` holds every request."""
+    seen, hang = [], False
+
+    def do_POST(self):
+        Proxy.seen.append(("POST", self.path, self.headers.get("Proxy-Authorization")))
+        if Proxy.hang:
+            time.sleep(30)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # not through itself
+        data = direct.open(urllib.request.Request(self.path, body, {"Content-Type": "application/json"}), timeout=5).read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_CONNECT(self):
+        Proxy.seen.append(("CONNECT", self.path, self.headers.get("Proxy-Authorization")))
+        self.send_response(403)
+        self.end_headers()
+
+
+def test_the_endpoint_client_honours_proxy_variables(monkeypatch):
+    """Before: HTTPS_PROXY / HTTP_PROXY / NO_PROXY were ignored (plain http.client), so a hosted annotator behind a
+    proxy could not be reached. A relaying proxy on 127.0.0.1 carries an http POST, with the credentials of its URL;
+    an https URL asks it for a CONNECT tunnel; NO_PROXY bypasses it; the deadline still bounds a hung proxy."""
+    target, target_url = serve(Echo)
+    proxy, proxy_url = serve(Proxy)
+    for k in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(k, raising=False)
+    try:
+        direct = json.loads(envs.post_within(target_url + "/v1/chat?x=1", b"hi", {"Content-Type": "a/b"}, 5))
+        host = proxy_url.removeprefix("http://")
+        monkeypatch.setenv("HTTP_PROXY", f"http://us%40er:p%3Ass@{host}")
+        monkeypatch.setenv("HTTPS_PROXY", f"http://{host}")
+        Proxy.seen.clear()
+        via = json.loads(envs.post_within(target_url + "/v1/chat?x=1", b"hi", {"Content-Type": "a/b"}, 5))
+        relayed = list(Proxy.seen)
+        with pytest.raises(OSError, match="403"):
+            envs.post_within("https://annotator.example:8443/v1/chat", b"hi", {}, 5)
+        tunnel = Proxy.seen[-1]
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        Proxy.seen.clear()
+        bypassed = json.loads(envs.post_within(target_url + "/v1/chat", b"hi", {}, 5))
+        assert Proxy.seen == [] and bypassed["body"] == "hi"
+        monkeypatch.delenv("NO_PROXY")
+        Proxy.hang = True
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match="within 1.5 s"):
+            envs.post_within(target_url + "/v1/chat", b"hi", {}, 1.5)
+        hung = time.perf_counter() - t0
+    finally:
+        Proxy.hang = False
+        target.shutdown()
+        proxy.shutdown()
+    assert via == direct == {"path": "/v1/chat?x=1", "body": "hi"}
+    assert relayed == [("POST", target_url + "/v1/chat?x=1", "Basic " + base64.b64encode(b"us@er:p:ss").decode())]
+    assert tunnel == ("CONNECT", "annotator.example:8443", None)
+    assert 1.5 <= hung < 3.0, hung
 
 @needs_qa
 def test_a_retriever_flood_is_cut_to_topk_and_counted():

@@ -385,3 +385,13 @@ if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_singl
     if dist_.main:
         torch.save({"row": row_, "params": params_}, sys.argv[1])
     models.shutdown()
+
+
+def test_lr_warmup_is_linear_then_constant_and_a_function_of_the_update_alone():
+    """--lr_warmup k: update u trains at lr·min(1, (u+1)/k); 0 keeps the papers' constant lr. A resumed run calls it
+    with the update it resumes at, so the schedule is the same as without the interruption."""
+    import common as C
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    assert [C.set_lr(opt, 1e-4, u, 4) for u in range(6)] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4])
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert [C.set_lr(opt, 3e-5, u, 0) for u in (0, 7)] == [3e-5, 3e-5]
