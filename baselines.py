@@ -139,8 +139,10 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
     epoch of mini-batches of pg_coef · L_clip + β_KL KL + λ · (Eq. 1, or L_sdl)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # ℓ_old: θ before the update
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # π_ref, for L_rl's KL
+        # ℓ_old: θ before the update
+        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        # π_ref, for L_rl's KL
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
         teacher = S.teacher_scores(policy, samples, range(len(samples)), R, args, d)      # ℓ_T at θ_old, then fixed
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
@@ -156,7 +158,8 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # Σm over the whole mini-batch
-            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)):
+            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens),
+                                        temperature=args.temperature):
                 logp, mask = m.logprobs(policy)                                    # ℓ_θ, with gradient
                 old_lp, adv = m.rows(old), m.rows(adv_tok) * m.rows(is_w, dummy=1.0)  # A per token (· w: rollout_is)
                 _, pg, kl = S.grpo_loss(logp, old_lp, m.rows(ref_lp), adv, mask, args.clip_eps, args.beta_kl, n_tok)

@@ -296,9 +296,11 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], device):
+def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], device,
+                      temperature: float = 1.0):
     """Returns (logp [B, R], mask [B, R]): column j holds log π(response token j | prompt, response tokens < j), R is
-    the longest response. Layout: each row's prompt + response is right-aligned (left padding only, pads hold token 0
+    the longest response. π is the distribution the rollouts sample, softmax(logits / temperature), as verl's actor
+    scores it: at the papers' temperature 1 the model's own. Layout: each row's prompt + response is right-aligned (left padding only, pads hold token 0
     and are masked), so a micro-batch is as wide as its longest sequence and every response ends in the last column:
     the model computes logits only for the last R + 1 positions (logits_to_keep), and each row's log-probs are then
     shifted to start at column 0. Left padding needs explicit position ids
@@ -313,7 +315,7 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1,
                    use_cache=False).logits[:, :-1]  # (a model in eval mode would build a KV cache nobody reads)
-    right = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
+    right = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
     n = torch.tensor([len(r) for r in responses], device=ids.device)[:, None]
     cols = torch.arange(R, device=ids.device)[None, :]
     mask = cols < n  # response token j of row i sits in column R - n_i + j of `right`
@@ -363,14 +365,15 @@ def micro_batches(indices: list[int], prompts: list[list[int]], responses: list[
 
 
 @torch.no_grad()
-def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, device, max_tokens: int = 0):
+def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, device, max_tokens: int = 0,
+          temperature: float = 1.0):
     """Per-sample response log-probs (list of 1-D CPU tensors, in input order) for a whole rank-local batch, without
-    gradients, in micro_batches(…, micro_bs, max_tokens)."""
+    gradients, in micro_batches(…, micro_bs, max_tokens), at the sampling temperature (sequence_logprobs)."""
     out: list[torch.Tensor | None] = [None] * len(prompts)
     for idx in pad_chunks(micro_batches(list(range(len(prompts))), prompts, responses, micro_bs, max_tokens), device):
         p, r = ([prompts[i] for i in idx], [responses[i] for i in idx]) if idx else ([DUMMY[0]], [DUMMY[1]])
         count_forward(p, r)
-        logp, _ = sequence_logprobs(model, p, r, device)
+        logp, _ = sequence_logprobs(model, p, r, device, temperature)
         for j, i in enumerate(idx):
             out[i] = logp[j, :len(responses[i])].cpu()
     return out
@@ -394,6 +397,7 @@ class MicroBatch:
     responses: list[list[int]]
     scale: float                  # world size (FSDP averages gradients over ranks), 0 for a dummy
     device: torch.device
+    temperature: float = 1.0      # the rollouts' sampling temperature (sequence_logprobs)
 
     @property
     def real(self) -> bool:
@@ -402,7 +406,7 @@ class MicroBatch:
     def logprobs(self, model):
         """(ℓ_θ [B, R], mask [B, R]) of its responses, with gradient."""
         count_forward(self.prompts, self.responses)
-        return sequence_logprobs(model, self.prompts, self.responses, self.device)
+        return sequence_logprobs(model, self.prompts, self.responses, self.device, self.temperature)
 
     def rows(self, per_sample, dummy: float = 0.0) -> torch.Tensor:
         """[B, R]: its samples' 1-D per-token tensors, right-padded with 0; a None entry (a turn without a teacher)
@@ -419,7 +423,7 @@ class MicroBatch:
         return torch.tensor([[float(per_sample[i])] for i in self.idx] or [[dummy]], device=self.device)
 
 
-def minibatch_chunks(d: Dist, prompts, responses, chunks: list[list[int]], *more):
+def minibatch_chunks(d: Dist, prompts, responses, chunks: list[list[int]], *more, temperature: float = 1.0):
     """The micro-batches of one mini-batch on this rank, then dummies until it has run as many forwards as the rank
     with the most. chunks: micro_batches over the mini-batch's indices into prompts / responses; more: further
     (kind, prompts, responses, chunks) sources in the same forwards (GRSD's reflections), told apart by m.kind."""
@@ -428,7 +432,7 @@ def minibatch_chunks(d: Dist, prompts, responses, chunks: list[list[int]], *more
     todo += [("", prompts, responses, [])] * (global_max(len(todo), d.device) - len(todo))
     for kind, P, R, idx in todo:
         yield MicroBatch(kind, idx, [P[i] for i in idx] or [DUMMY[0]], [R[i] for i in idx] or [DUMMY[1]],
-                         d.world if idx else 0.0, d.device)
+                         d.world if idx else 0.0, d.device, temperature)
 
 
 # ----------------------------------------------------------------------------------------------------------------

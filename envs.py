@@ -728,11 +728,18 @@ def check_retrieve_reply(reply, n_queries: int) -> list[list]:
 
 def proxy_for(u):
     """The proxy the environment names for URL parts `u` (HTTPS_PROXY for https, HTTP_PROXY for http, either case,
-    as urllib.request.getproxies reads them), or None: no proxy set, or the host is listed in NO_PROXY."""
+    as urllib.request.getproxies reads them), or None: no proxy set, the host is listed in NO_PROXY, or it is this
+    machine (localhost, 127.0.0.0/8, ::1: a local retriever or judge is never behind a forward proxy)."""
+    import ipaddress
     import urllib.parse
     import urllib.request
+    host = u.hostname or ""
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        local = False
     proxy = urllib.request.getproxies().get(u.scheme)
-    if not proxy or urllib.request.proxy_bypass(u.hostname or ""):
+    if not proxy or local or urllib.request.proxy_bypass(host):
         return None
     return urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
 

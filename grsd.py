@@ -435,17 +435,18 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     """Scoring under the frozen snapshot (θ = θ_old before any step), Â, then the joint loss (Alg. 1 l.28-29)."""
     P, R = [s.prompt_ids for s in turns], [s.response_ids for s in turns]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # ℓ_stu = log π_θold
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)
+        # ℓ_stu = log π_θold
+        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
         live = [j for j, s in enumerate(refls) if s.adv != 0]  # A_ref = 0 ⇒ φ(ρ, 0) = 0: no pass needed
         RP, RR = [s.prompt_ids for s in refls], [s.response_ids for s in refls]
         r_old = dict(zip(live, C.score(policy, [RP[j] for j in live], [RR[j] for j in live], args.micro_batch,
-                                       d.device, args.micro_batch_tokens)))  # reflection tokens, θ_old
+                                       d.device, args.micro_batch_tokens, args.temperature)))  # reflection tokens, θ_old
     rows = [j for j, s in enumerate(turns) if s.teacher_ids]
     tea = list(old)
     with timer("teacher"):                                                          # Eq. (9): ℓ_tea under θ̄
         scored = C.score(policy, [turns[j].teacher_ids for j in rows], [R[j] for j in rows], args.micro_batch,
-                         d.device, args.micro_batch_tokens)
+                         d.device, args.micro_batch_tokens, args.temperature)
     for j, lp in zip(rows, scored):
         tea[j] = lp
     adv, delta_turn = modulated_advantages(turns, old, tea, args)
@@ -467,7 +468,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             task = C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)
             ref_chunks = C.micro_batches([j for j in rmb if j in r_old], RP, RR, args.micro_batch,
                                          args.micro_batch_tokens)
-            for m in C.minibatch_chunks(d, P, R, task, ("ref", RP, RR, ref_chunks)):
+            for m in C.minibatch_chunks(d, P, R, task, ("ref", RP, RR, ref_chunks), temperature=args.temperature):
                 logp, mask = m.logprobs(policy)                                     # ℓ_θ, with gradient
                 w = m.column(weight[m.kind])
                 if m.kind == "ref":                                                 # Eq. (14), weight α

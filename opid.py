@@ -493,14 +493,16 @@ def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
     any parameter update (θ = θ_old). Returns three lists of 1-D CPU tensors (ℓ_skill = ℓ_old where no skill)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # l.18: ℓ_old = log π_θold(y|h)
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # π_ref, for β·KL (§3.4)
+        # l.18: ℓ_old = log π_θold(y|h)
+        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        # π_ref, for β·KL (§3.4)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
     skill = list(old)
     if args.lambda_skill > 0:
         rows = [i for i, s in enumerate(samples) if s.teacher_ids]
         with timer("teacher"):                                         # l.19: ℓ_skill = log π_θold(y | H(h, s))
             scored = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch,
-                             d.device, args.micro_batch_tokens)
+                             d.device, args.micro_batch_tokens, args.temperature)
         for i, lp in zip(rows, scored):
             skill[i] = lp
     return old, ref_lp, skill
@@ -530,7 +532,8 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # valid tokens of the whole mini-batch
-            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)):
+            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens),
+                                        temperature=args.temperature):
                 logp, mb_mask = m.logprobs(policy)                                        # ℓ_θ, with gradient
                 loss, pg, kl = opid_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mb_mask,
                                          args.clip_eps, args.beta_kl, n_tok)               # l.29-30 (· w: --rollout_is)

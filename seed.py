@@ -382,7 +382,7 @@ def teacher_scores(policy, samples: list[Sample], idx, R, args, d) -> list[torch
     before the mini-batches, at θ_old, then frozen."""
     rows = [i for i in idx if samples[i].teacher_ids]
     lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d.device,
-                 args.micro_batch_tokens)
+                 args.micro_batch_tokens, args.temperature)
     out: list[torch.Tensor | None] = [None] * len(samples)
     for i, t in zip(rows, lp):
         out[i] = t
@@ -394,8 +394,10 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     with the teacher branch re-scored under the current θ in every mini-batch (l.22). λ_opd = 0: plain GRPO."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # ℓ_old: θ before the update
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens)  # π_ref, for L_rl's KL
+        # ℓ_old: θ before the update
+        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        # π_ref, for L_rl's KL
+        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     adv_tok = [torch.full_like(old[i], s.adv) for i, s in enumerate(samples)]  # A_{q,n} broadcast to its tokens
@@ -411,7 +413,8 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             if args.lambda_opd > 0:  # Alg. 1 l.22, teacher branch: ℓ_skill with the current θ, no gradient
                 with timer("teacher"):  # time/teacher is a part of time/update
                     teacher = teacher_scores(policy, samples, mb, R, args, d)
-            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)):
+            for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens),
+                                        temperature=args.temperature):
                 logp, mask = m.logprobs(policy)  # Alg. 1 l.22, student branch: ℓ_θ in the plain context, with gradient
                 adv = m.rows(adv_tok) * m.rows(is_w, dummy=1.0)  # A per token (· w: --rollout_is)
                 # l.25-26: ρ = exp(ℓ_θ − ℓ_old), clipped GRPO loss + β_KL·KL over the mini-batch's tokens

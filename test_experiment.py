@@ -421,3 +421,42 @@ def test_scaled_arm_dev_check_pairs_by_layout_and_gates_the_final_runs():
     assert "| opid_scaled | --lambda_skill 4 | 20.0 % (40.0 %) | 20.0 % (30.0 %) | -15.0 | no (< -10) |" in table
     assert "| seed_scaled | --lambda_opd 0.3 | 45.0 % (40.0 %) | 30.0 % (30.0 %) | +2.5 | yes |" in table
     assert "| grsd_scaled | --lambda_mod 2.5 | 60.0 % (40.0 %) | · | · | · |" in table
+
+
+def test_learning_regime_plan_flags_and_sample_efficiency_by_hand(monkeypatch):
+    """The learning regime: each candidate's run carries its overrides as flags (and the smoke keeps its size); the
+    learn phase reuses the final phase's backbone evaluations, runs GRPO on every layout first, then the methods
+    layout by layout; efficiency_table counts, per seed, the updates until the 3-update running mean of training
+    success first reaches GRPO's final one (hand-computed below)."""
+    b = E.Budget()
+    for cand, over in E.LEARN_DEV.items():
+        jb = E.job_budget(b, f"learn-dev-{cand}-s100")
+        flags = E.shared_flags(jb, "m", 100, "o", jb.lr)
+        for k, v in over.items():
+            assert flags[flags.index(f"--{k}") + 1] == str(v), (cand, k)
+    monkeypatch.setattr(E, "LEARN_PICK", None)
+    with pytest.raises(SystemExit, match="no learning regime is frozen yet"):
+        E.job_budget(b, "learn-grpo-s0")
+    monkeypatch.setattr(E, "LEARN_PICK", "t04-g8-kl01-lr3e-5")
+    assert E.job_budget(b, "grpo-s0") is b and E.job_budget(b, "learn-opid-s3") == E.job_budget(b, "curve-grpo-s0")
+    assert E.job_budget(b, "learn-grpo-s1").temperature == 0.4
+    small = E.job_budget(b, "learn-grpo-s0", smoke=True)
+    assert (small.updates, small.group_size, small.lr) == (1, 2, E.LEARN_DEV[E.LEARN_PICK]["lr"])
+    plan = [n for n, *_ in E.planned_runs(b, "learn", 1e-4, [])]
+    assert plan[:10] == [f"backbone-s{s}" for s in b.seeds] + [f"learn-grpo-s{s}" for s in b.seeds]
+    assert plan[10:13] == ["learn-seed-s0", "learn-opid-s0", "learn-grsd-s0"] and len(plan) == 25
+    assert [n for n, *_ in E.planned_runs(b, "learn-dev", 0, [])] == [f"learn-dev-{c}-s100" for c in E.LEARN_DEV]
+
+    def rec(method, seed, train):
+        return {"name": f"learn-{method}-s{seed}", "phase": "learn", "method": method, "seed": seed, "lr": 1e-4,
+                "seconds": 60.0, "evals": [{"update": len(train), "valid_seen": 0.5}], "time_per_update": {},
+                "train": [{"update": u + 1, "success": x, "invalid": 0.2} for u, x in enumerate(train)]}
+    records = [rec("grpo", 0, [0.0, 0.3, 0.3, 0.6]),   # running means 0, .15, .2, .4: final .4
+               rec("seed", 0, [0.6, 0.6, 0.0, 0.0]),   # .6 at update 1: reaches it at once
+               rec("opid", 0, [0.0, 0.0, 0.3, 0.3]),   # .0, .0, .1, .2: never
+               rec("grpo", 1, [0.2, 0.2, 0.2, 0.2]),   # final .2
+               rec("seed", 1, [0.0, 0.3, 0.3, 0.3])]   # 0, .15, .2: update 3
+    assert E.train_curve(records[0], [1, 2, 3, 4]) == pytest.approx([0.0, 0.15, 0.2, 0.4])
+    table = E.efficiency_table(records)
+    assert "| seed | 2 | 2.0 | 2 of 2 |" in table and "| opid | 1 | – | 0 of 1 |" in table
+    assert "| grpo | 2 | 2.5 | 2 of 2 |" in table  # its own final value: at update 4 (seed 0) and 1 (seed 1)

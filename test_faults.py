@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -364,8 +365,9 @@ class Echo(Quiet):
 
 
 class Proxy(Quiet):
-    """A forward proxy: a plain-http request (absolute URL) is relayed to its server; CONNECT is refused with 403 (a
-    TLS tunnel needs a certificate the test does not have) after it is recorded. `hang` holds every request."""
+    """A forward proxy: a plain-http request (absolute URL) is relayed to its server, the host name `echo.test` read
+    as 127.0.0.1 (loopback URLs are never proxied); CONNECT is refused with 403 (a TLS tunnel needs a certificate the
+    test does not have) after it is recorded. `hang` holds every request."""
     seen, hang = [], False
 
     def do_POST(self):
@@ -374,7 +376,8 @@ class Proxy(Quiet):
             time.sleep(30)
         body = self.rfile.read(int(self.headers["Content-Length"]))
         direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # not through itself
-        data = direct.open(urllib.request.Request(self.path, body, {"Content-Type": "application/json"}), timeout=5).read()
+        url = self.path.replace("//echo.test:", "//127.0.0.1:")
+        data = direct.open(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout=5).read()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -389,13 +392,15 @@ class Proxy(Quiet):
 def test_the_endpoint_client_honours_proxy_variables(monkeypatch):
     """Before: HTTPS_PROXY / HTTP_PROXY / NO_PROXY were ignored (plain http.client), so a hosted annotator behind a
     proxy could not be reached. A relaying proxy on 127.0.0.1 carries an http POST, with the credentials of its URL;
-    an https URL asks it for a CONNECT tunnel; NO_PROXY bypasses it; the deadline still bounds a hung proxy."""
-    target, target_url = serve(Echo)
+    an https URL asks it for a CONNECT tunnel; NO_PROXY and loopback URLs bypass it; the deadline still bounds a hung
+    proxy."""
+    target, local_url = serve(Echo)
     proxy, proxy_url = serve(Proxy)
+    target_url = local_url.replace("127.0.0.1", "echo.test")  # a name the proxy resolves; only it can reach it
     for k in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
         monkeypatch.delenv(k, raising=False)
     try:
-        direct = json.loads(envs.post_within(target_url + "/v1/chat?x=1", b"hi", {"Content-Type": "a/b"}, 5))
+        direct = json.loads(envs.post_within(local_url + "/v1/chat?x=1", b"hi", {"Content-Type": "a/b"}, 5))
         host = proxy_url.removeprefix("http://")
         monkeypatch.setenv("HTTP_PROXY", f"http://us%40er:p%3Ass@{host}")
         monkeypatch.setenv("HTTPS_PROXY", f"http://{host}")
@@ -405,10 +410,12 @@ def test_the_endpoint_client_honours_proxy_variables(monkeypatch):
         with pytest.raises(OSError, match="403"):
             envs.post_within("https://annotator.example:8443/v1/chat", b"hi", {}, 5)
         tunnel = Proxy.seen[-1]
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         Proxy.seen.clear()
-        bypassed = json.loads(envs.post_within(target_url + "/v1/chat", b"hi", {}, 5))
-        assert Proxy.seen == [] and bypassed["body"] == "hi"
+        local = json.loads(envs.post_within(local_url + "/v1/chat", b"hi", {}, 5))  # loopback: never proxied
+        assert Proxy.seen == [] and local["body"] == "hi"
+        monkeypatch.setenv("NO_PROXY", "echo.test")  # bypassed: post_within would go straight to the host
+        assert envs.proxy_for(urllib.parse.urlsplit(target_url)) is None
+        assert envs.proxy_for(urllib.parse.urlsplit("http://other.test/")).port == proxy.server_address[1]
         monkeypatch.delenv("NO_PROXY")
         Proxy.hang = True
         t0 = time.perf_counter()

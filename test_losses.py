@@ -10,6 +10,7 @@ import models
 import grsd
 import opid
 import seed
+from conftest import one_rank
 
 
 def sig(x):
@@ -181,6 +182,29 @@ def test_left_padded_scoring_matches_unpadded_forward():
             lg = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float().log_softmax(-1)
         ref = lg.gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         assert torch.allclose(logp[i, :len(r)], ref, atol=1e-5)
+
+
+
+def test_scoring_at_the_sampling_temperature_is_the_tempered_distribution():
+    """--temperature T ≠ 1: ℓ is log softmax(z / T)[a], the distribution the engine sampled from (verl's actor divides
+    the logits by the rollout temperature), in sequence_logprobs, score and a training micro-batch alike; T = 1 is
+    the model's own log-probs."""
+    model = models.load_model("tiny", 0)
+    prompts, responses = [[5, 6, 7, 8, 9], [10, 11]], [[12, 13, 14], [15]]
+    for T in (1.0, 0.4):
+        logp, _ = C.sequence_logprobs(model, prompts, responses, "cpu", temperature=T)
+        with one_rank() as d:  # score and minibatch_chunks agree their forward counts across ranks
+            scored = C.score(model, prompts, responses, 2, d.device, temperature=T)
+            (m,) = list(C.minibatch_chunks(d, prompts, responses, [[0, 1]], temperature=T))
+        trained, _ = m.logprobs(model)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            with torch.no_grad():
+                z = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float()
+            want = (z / T).log_softmax(-1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+            assert torch.allclose(logp[i, :len(r)], want, atol=1e-5) and torch.allclose(scored[i], want, atol=1e-5)
+            assert torch.allclose(trained[i, :len(r)].detach(), want, atol=1e-5)
+            if T != 1.0:  # and it is not the model's own: the test would notice a dropped temperature
+                assert (want - z.log_softmax(-1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)).abs().max() > 0.01
 
 
 def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_padding():

@@ -11,6 +11,9 @@ report is made from.
   python tools/experiment.py dev             # 3a. GRPO lr probes on the dev layouts (seeds 100-101)
   python tools/experiment.py runs            # 3b. backbone evals + 4 methods x 5 seeds at the dev probes' best lr
   python tools/experiment.py scaled          # 3c. the labelled scaled-coefficient arm (SCALED): dev check, 5 seeds
+  python tools/experiment.py learn-dev       # 3d. the learning regime's candidates: GRPO on the dev layouts (LEARN_DEV)
+  python tools/experiment.py learn           # 3e. the frozen regime (LEARN_PICK): 4 methods x 5 seeds, run by run
+  python tools/experiment.py curve           #     one GRPO learning curve on layout 0 -> <out>/curve.png (README)
   python tools/experiment.py report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
   python tools/experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
   python tools/experiment.py --smoke         # a 1-update version of everything into <out>/results (test_experiment.py)
@@ -75,6 +78,7 @@ import shutil
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 
@@ -820,6 +824,8 @@ class Budget:
     lr: float = 1e-4          # the final runs' lr: the dev probes' best (1e-6, Table 5, would not move a 3.5 M model)
     env_rules: str = "verl_agent"  # verl-agent's ALFWorld reward: 10 per win, -0.1 only for a malformed reply
     beta_kl: float = 0.001
+    lr_warmup: int = 0        # updates of linear lr warm-up (0: constant lr, as the papers)
+    temperature: float = 1.0  # rollout temperature; the log-probs are the tempered policy's (common.sequence_logprobs)
     minibatch_turns: int = 64  # ~4 optimizer steps per update (the paper's 256 would give 1 here)
     eval_every: int = 10      # = updates: one evaluation at the end (update 0 is the backbone's own --eval_only run)
     eval_tasks: int = 120     # every held-out task of the small room's split
@@ -837,7 +843,9 @@ def shared_flags(b: Budget, model: str, seed: int, out_dir: str, lr: float) -> l
     GRPO trained on train, score 0 of 360 episodes there (docs/experiment.md), at half of each evaluation's cost."""
     flags = dict(env="household", household_room=b.room, env_rules=b.env_rules, model=model, seed=seed,
                  out_dir=out_dir, updates=b.updates, tasks_per_update=b.tasks_per_update, group_size=b.group_size,
-                 max_steps=b.max_steps, lr=lr, beta_kl=b.beta_kl, eval_every=b.eval_every, eval_tasks=b.eval_tasks,
+                 max_steps=b.max_steps, lr=lr, lr_warmup=b.lr_warmup, temperature=b.temperature, beta_kl=b.beta_kl,
+                 eval_every=b.eval_every,
+                 eval_tasks=b.eval_tasks,
                  eval_split="valid_seen", max_prompt_len=b.max_prompt_len, max_response_len=b.max_response_len,
                  micro_batch=16, minibatch_turns=b.minibatch_turns, save_every=1000, engine="hf")
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))] + ["--overwrite"]
@@ -873,6 +881,38 @@ SCALED = {
 }
 SCALED_METHODS = tuple(f"{m}_scaled" for m in SCALED)
 SCALED_FLOOR = -0.10  # a scaled arm whose dev runs end > 10 points below GRPO's (paired by layout) gets no final runs
+
+# The learning regime (issue 40; `python tools/experiment.py learn-dev`, `learn`, `curve`). Budget above moves no method
+# (GRPO +0.3 points over 5 layouts, docs/experiment.md). Candidates are GRPO-only runs on the first dev layout
+# (LEARN_DEV: each a set of Budget overrides); LEARN is the one frozen from them, and its final runs compare the four
+# methods at the papers' coefficients on layouts 0-4. What each setting is, and what the probes measured, is in
+# docs/experiment.md ("The learning regime").
+G8 = dict(updates=12, eval_every=6, lr_warmup=4, tasks_per_update=4, group_size=8, beta_kl=0.01)
+LEARN_DEV = {
+    "w4-lr1e-4": dict(updates=16, eval_every=8, lr=1e-4, lr_warmup=4),
+    "w4-lr3e-4": dict(updates=16, eval_every=8, lr=3e-4, lr_warmup=4),
+    "g8-kl01-lr1e-4": dict(G8, lr=1e-4),
+    "g8-kl01-strict-lr1e-4": dict(G8, lr=1e-4, env_rules="strict"),
+    "t04-g8-kl01-lr1e-4": dict(G8, lr=1e-4, temperature=0.4),
+    "t04-g8-kl01-lr3e-5": dict(G8, lr=3e-5, temperature=0.4),
+}
+LEARN_PICK = None  # the candidate frozen for `learn` and `curve`: none yet (docs/experiment.md, "The learning regime")
+SMOKE_SIZE = dict(updates=1, eval_every=1, tasks_per_update=2, group_size=2)  # --smoke: the regime's flags, 1 update
+
+
+def job_budget(b: Budget, name: str, smoke: bool = False) -> Budget:
+    """The Budget of one run: a learn-dev candidate's overrides, LEARN_PICK's for the learn and curve runs, else b
+    (under --smoke the size stays the smoke's)."""
+    if name.startswith("learn-dev-"):
+        over = LEARN_DEV[name[len("learn-dev-"):].rsplit("-s", 1)[0]]
+    elif name.startswith(("learn-", "curve-")):
+        if LEARN_PICK is None:
+            raise SystemExit("[experiment] no learning regime is frozen yet (LEARN_PICK): the dev probes found none "
+                             "where GRPO learns (docs/experiment.md, 'The learning regime')")
+        over = LEARN_DEV[LEARN_PICK]
+    else:
+        return b
+    return dataclasses.replace(b, **{**over, **(SMOKE_SIZE if smoke else {})})
 
 
 def run_flags(method: str, oracle_url: str, b: Budget, lr: float) -> tuple[str, list[str]]:
@@ -999,10 +1039,16 @@ def splits_in(records: list[dict]) -> list[str]:
     return [split for split in ("valid_seen", "valid_unseen") if any(split in e for r in records for e in r["evals"])]
 
 
-def comparison_table(records: list[dict]) -> str:
-    """Final runs: per method, final success per split (mean ± sd over seeds), the gain over the backbone and the
+def phase_runs(records: list[dict], phase: str) -> list[dict]:
+    """A phase's runs ("final" or "learn") with the backbone's own evaluations, which the final phase recorded: the
+    same layouts, tasks, steps and temperature for both phases."""
+    return [r for r in records if r["phase"] == phase or (r["phase"] == "final" and r["method"] == "backbone")]
+
+
+def comparison_table(records: list[dict], phase: str = "final") -> str:
+    """A phase's runs: per method, final success per split (mean ± sd over seeds), the gain over the backbone and the
     difference to GRPO, both paired by seed with their 95 % t intervals (points), and minutes per run."""
-    final = [r for r in records if r["phase"] == "final"]
+    final = phase_runs(records, phase)
     base = {r["seed"]: r for r in final if r["method"] == "backbone"}
     grpo = {r["seed"]: r for r in final if r["method"] == "grpo"}
     splits = splits_in(final)
@@ -1027,10 +1073,10 @@ def comparison_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def layout_table(records: list[dict]) -> str:
-    """Final runs, one row per layout seed: each method's final valid_seen success and, in brackets, its difference
+def layout_table(records: list[dict], phase: str = "final") -> str:
+    """A phase's runs, one row per layout seed: each method's final valid_seen success and, in brackets, its difference
     to the backbone's own evaluation on that layout (points); "·" where the run is not done yet."""
-    final = [r for r in records if r["phase"] == "final"]
+    final = phase_runs(records, phase)
     got = {(r["method"], r["seed"]): final_eval(r, "valid_seen") for r in final}
     methods = METHODS + tuple(m for m in SCALED_METHODS if any(r["method"] == m for r in final))
     lines = ["| layout seed | backbone | " + " | ".join(methods) + " |", "|" + "---|" * (2 + len(methods))]
@@ -1088,12 +1134,61 @@ def best_dev_lr(records: list[dict]) -> float | None:
     return max(lrs, key=lambda lr: (score[lr], -lr)) if lrs else None
 
 
-def plot(records: list[dict], out_png: str):
+SMOOTH = 3  # training success is over 32 episodes of 4-8 tasks: its curves are running means over 3 updates
+
+
+def train_curve(record: dict, updates: list[int], k: int = SMOOTH) -> list[float]:
+    """A run's training success at `updates`, each the mean of the last k updates' (fewer at the start)."""
+    got = {t["update"]: t["success"] for t in record["train"]}
+    xs = sorted(got)
+    return [sum(got[x] for x in xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1])
+            for i, x in enumerate(xs) if x in updates]
+
+
+def efficiency_table(records: list[dict], phase: str = "learn") -> str:
+    """Sample efficiency, per method: the updates each seed needs until its training success (running mean over
+    SMOOTH updates) first reaches the final value of GRPO's on the same layout, mean over the seeds that reach it."""
+    runs = [r for r in records if r["phase"] == phase and r["train"]]
+    grpo = {r["seed"]: train_curve(r, [t["update"] for t in r["train"]])[-1] for r in runs if r["method"] == "grpo"}
+    lines = ["| method | seeds | updates to reach GRPO's final training success (mean) | reached by |",
+             "|---|---|---|---|"]
+    for m in METHODS:
+        mine = sorted((r for r in runs if r["method"] == m and r["seed"] in grpo), key=lambda r: r["seed"])
+        if not mine:
+            continue
+        need = []
+        for r in mine:
+            xs = sorted(t["update"] for t in r["train"])
+            need.append(next((x for x, v in zip(xs, train_curve(r, xs)) if v >= grpo[r["seed"]] - 1e-9), None))
+        got = [n for n in need if n is not None]
+        lines.append(f"| {m} | {len(mine)} | {sum(got) / len(got):.1f} | {len(got)} of {len(mine)} |" if got else
+                     f"| {m} | {len(mine)} | – | 0 of {len(mine)} |")
+    return "\n".join(lines)
+
+
+def learn_dev_table(records: list[dict]) -> str:
+    """The learning regime's candidates (GRPO on the dev layouts): their settings, final valid_seen success, and gain
+    over the backbone's own evaluation of the same layout."""
+    base = {r["seed"]: final_eval(r, "valid_seen") for r in records if r["phase"] == "dev" and r["method"] == "backbone"}
+    lines = ["| candidate | settings (over Budget) | layout | updates run | evals (update: valid_seen) | last eval − backbone |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted((r for r in records if r["phase"] == "learn-dev"), key=lambda r: r["name"]):
+        cand = r["name"][len("learn-dev-"):].rsplit("-s", 1)[0]
+        over = " ".join(f"{k}={v}" for k, v in LEARN_DEV.get(cand, {}).items())
+        evals = ", ".join(f"{e['update']}: {100 * e['valid_seen']:.1f} %" for e in r["evals"])
+        gain = final_eval(r, "valid_seen") - base[r["seed"]] if r["seed"] in base else None
+        ran = f"{r['train'][-1]['update'] if r['train'] else 0} of {LEARN_DEV.get(cand, {}).get('updates', '?')}"
+        lines.append(f"| {cand}{' (picked)' if cand == LEARN_PICK else ''} | {over} | {r['seed']} | {ran} | {evals} | "
+                     f"{'–' if gain is None else f'{100 * gain:+.1f}'} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], out_png: str, phase: str = "final"):
     """Held-out success per update (update 0: the backbone) and training success, mean ± std over seeds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    final = [r for r in records if r["phase"] == "final"]
+    final = phase_runs(records, phase)
     base = {r["seed"]: r["evals"][-1] for r in final if r["method"] == "backbone"}
     splits = splits_in(final)
     fig, axes = plt.subplots(1, len(splits) + 1, figsize=(5 * (len(splits) + 1), 4.5))
@@ -1110,13 +1205,14 @@ def plot(records: list[dict], out_png: str):
             ax.fill_between(xs, [100 * (a - s) for a, s in stats], [100 * (a + s) for a, s in stats], alpha=0.15)
         ax.set(title=f"{split} success % (mean ± std over seeds)", xlabel="updates done")
     for m in methods:
-        runs = [r for r in final if r["method"] == m]
+        runs = [r for r in final if r["method"] == m and r["train"]]
         if runs:
             xs = sorted(set.intersection(*[{t["update"] for t in r["train"]} for r in runs]))
-            ax = axes[-1]
-            ax.plot(xs, [100 * mean_std([next(t["success"] for t in r["train"] if t["update"] == x) for r in runs])[0]
-                         for x in xs], label=m)
-    axes[-1].set(title="training success % (mean over seeds)", xlabel="update")
+            stats = [mean_std(v) for v in zip(*[train_curve(r, xs) for r in runs])]
+            axes[-1].plot(xs, [100 * a for a, _ in stats], label=m)
+            axes[-1].fill_between(xs, [100 * (a - sd) for a, sd in stats], [100 * (a + sd) for a, sd in stats],
+                                  alpha=0.15)
+    axes[-1].set(title=f"training success % ({SMOOTH}-update mean ± std)", xlabel="update")
     for ax in axes:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=8)
@@ -1125,10 +1221,74 @@ def plot(records: list[dict], out_png: str):
     plt.close(fig)
 
 
+def run_curve(a, b: Budget, backbone: str, results: str) -> dict:
+    """`curve`: one GRPO run in the learning regime on layout 0, recorded in <out>/curve/runs.jsonl (never in
+    docs/results), and <out>/curve.png: its held-out and training success against the band of the committed
+    learn-grpo runs (mean ± std over their seeds)."""
+    mine = os.path.join(a.out, "curve")
+    os.makedirs(mine, exist_ok=True)
+    if os.path.isfile(os.path.join(results, "backbone.json")):  # the committed runs' backbone, checked as theirs
+        shutil.copy(os.path.join(results, "backbone.json"), mine)
+    run_jobs(a, b, backbone, "curve", mine, job_budget(b, "curve-", a.smoke).lr)
+    record = next(r for r in load_results(os.path.join(mine, "runs.jsonl")) if r["name"] == "curve-grpo-s0")
+    committed = load_results(os.path.join(results, "runs.jsonl"))
+    base = next((r for r in committed if r["name"] == "backbone-s0"), None)
+    band = [r for r in committed if r["phase"] == "learn" and r["method"] == "grpo"]
+    plot_curve(record, base, band, os.path.join(a.out, "curve.png"))
+    start = f"{100 * final_eval(base, 'valid_seen'):.1f} % (the backbone) -> " if base else ""
+    ref = [final_eval(r, "valid_seen") for r in band]
+    print(f"[experiment] curve: GRPO on layout 0, valid_seen {start}{100 * final_eval(record, 'valid_seen'):.1f} % "
+          f"after {record['evals'][-1]['update']} updates, {record['seconds'] / 60:.1f} min"
+          + (f"; the committed runs end at {100 * mean_std(ref)[0]:.1f} ± {100 * mean_std(ref)[1]:.1f} % over "
+             f"{len(ref)} layouts" if ref else "") + f"; plot: {os.path.join(a.out, 'curve.png')}")
+    return record
+
+
+def plot_curve(record: dict, base: dict | None, band: list[dict], out_png: str):
+    """One run's curves (held-out success with the backbone at update 0; training success, running mean) over the
+    band of `band`'s runs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, tr) = plt.subplots(1, 2, figsize=(10, 4.5))
+    start = {0: final_eval(base, "valid_seen")} if base else {}
+    if band and base:
+        xs = sorted(set.intersection(*[{e["update"] for e in r["evals"]} for r in band]) | {0})
+        per = [{**start, **{e["update"]: e["valid_seen"] for e in r["evals"]}} for r in band]
+        stats = [mean_std([c[x] for c in per if x in c]) for x in xs]
+        ax.fill_between(xs, [100 * (m - sd) for m, sd in stats], [100 * (m + sd) for m, sd in stats], alpha=0.2,
+                        color="gray", label=f"committed GRPO runs ({len(band)} layouts, mean ± std)")
+    mine = {**start, **{e["update"]: e["valid_seen"] for e in record["evals"]}}
+    ax.plot(sorted(mine), [100 * mine[x] for x in sorted(mine)], marker="o", label="this run (layout 0)")
+    ax.set(title="valid_seen success %", xlabel="updates done")
+    xs = sorted(t["update"] for t in record["train"])
+    if band:
+        common = sorted(set(xs).intersection(*[{t["update"] for t in r["train"]} for r in band]))
+        stats = [mean_std(v) for v in zip(*[train_curve(r, common) for r in band])]
+        tr.fill_between(common, [100 * (m - sd) for m, sd in stats], [100 * (m + sd) for m, sd in stats], alpha=0.2,
+                        color="gray", label="committed GRPO runs")
+    tr.plot(xs, [100 * v for v in train_curve(record, xs)], label="this run")
+    tr.set(title=f"training success % ({SMOOTH}-update running mean)", xlabel="update")
+    for axis in (ax, tr):
+        axis.xaxis.get_major_locator().set_params(integer=True)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+
+
 def report(results_dir: str, log=print) -> str:
     """table.md (comparison, per layout, dev probes) and curves.png in results_dir, from its runs.jsonl alone."""
     records = load_results(os.path.join(results_dir, "runs.jsonl"))
-    text = "## Comparison (final runs)\n\n" + comparison_table(records) \
+    text = ""
+    if any(r["phase"] == "learn" for r in records):
+        text += "## The learning regime (`learn`): comparison\n\n" + comparison_table(records, "learn") \
+            + "\n\n## The learning regime: per layout (valid_seen)\n\n" + layout_table(records, "learn") \
+            + "\n\n## The learning regime: sample efficiency\n\n" + efficiency_table(records) + "\n\n"
+    if any(r["phase"] == "learn-dev" for r in records):
+        text += "## The learning regime: candidates on the dev layouts (`learn-dev`)\n\n" + learn_dev_table(records) \
+            + "\n\n"
+    text += "## Comparison (final runs)\n\n" + comparison_table(records) \
         + "\n\n## Per layout (valid_seen, final runs)\n\n" + layout_table(records) \
         + "\n\n## lr probes (GRPO, dev layouts)\n\n" + dev_table(records) + "\n"
     if any(r["method"] in SCALED_METHODS for r in records):
@@ -1137,6 +1297,8 @@ def report(results_dir: str, log=print) -> str:
         f.write(text)
     if any(r["phase"] == "final" and r["method"] != "backbone" for r in records):
         plot(records, os.path.join(results_dir, "curves.png"))
+    if any(r["phase"] == "learn" for r in records):
+        plot(records, os.path.join(results_dir, "learn_curves.png"), "learn")
     log(text)
     log(f"[experiment] wrote {results_dir}/table.md")
     return text
@@ -1245,7 +1407,8 @@ FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 12
                                                    3000), decay_from=1500, bc_tasks=200,
             select_tasks=60, read_checks=(250, 500, 750, 1000, 1250), read_min=750, mech_tasks=64, mech_group=4,
             hint_tasks=24)
-COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "scaled", "report")
+COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "scaled", "learn-dev", "learn", "curve",
+            "report")
 
 
 def backbone_digest(backbone: str) -> str:
@@ -1288,6 +1451,14 @@ def planned_runs(b: Budget, phase: str, lr: float, records: list[dict]) -> list[
         return [(f"backbone-s{s}", "backbone", s, 0.0) for s in b.seeds] + \
             [(f"grpo-s{s}", "grpo", s, lr) for s in b.seeds] + \
             [(f"{m}-s{s}", m, s, lr) for s in b.seeds for m in METHODS if m != "grpo"]
+    if phase == "learn-dev":  # b: the un-overridden Budget; each candidate's lr is in its overrides
+        return [(f"learn-dev-{c}-s{b.dev_seeds[0]}", "grpo", b.dev_seeds[0], LEARN_DEV[c]["lr"]) for c in LEARN_DEV]
+    if phase == "learn":  # the backbone evals are the final phase's (same layouts, tasks, steps and temperature)
+        return [(f"backbone-s{s}", "backbone", s, 0.0) for s in b.seeds] + \
+            [(f"learn-grpo-s{s}", "grpo", s, lr) for s in b.seeds] + \
+            [(f"learn-{m}-s{s}", m, s, lr) for s in b.seeds for m in METHODS if m != "grpo"]
+    if phase == "curve":
+        return [("curve-grpo-s0", "grpo", 0, lr)]
     if phase == "scaled-dev":
         return [(f"{m}-dev-s{s}", m, s, lr) for s in b.dev_seeds for m in SCALED_METHODS]
     check = scaled_dev_check(records, lr)
@@ -1311,7 +1482,8 @@ def scaled_dev_check(records: list[dict], lr: float) -> dict[str, float | None]:
 
 def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float = 0.0) -> None:
     """Run a phase's planned_runs one by one (launch_all). Each finished run goes to results/runs.jsonl at once
-    (phase "dev" or "final"); a run recorded there is not run again (check_backbone: on the same backbone)."""
+    (phase "dev", "final", "learn-dev", "learn" or "curve"); a run recorded there is not run again (check_backbone: on
+    the same backbone)."""
     check_backbone(backbone, results)
     plan = planned_runs(b, phase, lr, load_results(os.path.join(results, "runs.jsonl")))
     oracle = Oracle(tuple(sorted({s for _, _, s, _ in plan})) or b.seeds, room=b.room)
@@ -1322,14 +1494,16 @@ def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float = 
         if m == "backbone":  # the backbone's own score (update 0 of every curve)
             script, extra = "seed.py", ["--eval_only"]
         else:
-            script, extra = run_flags(m, url, b, run_lr)
-        jobs.append((name, [script] + shared_flags(b, backbone, s, os.path.join(a.out, name), run_lr or b.lr) + extra))
+            script, extra = run_flags(m, url, job_budget(b, name, a.smoke), run_lr)
+        jb = job_budget(b, name, a.smoke)
+        jobs.append((name, [script] + shared_flags(jb, backbone, s, os.path.join(a.out, name), run_lr or b.lr) + extra))
         meta[name] = (m, s, run_lr)
     have = {r["name"] for r in load_results(os.path.join(results, "runs.jsonl"))}
-    kind = "dev" if phase.endswith("dev") else "final"
+    kind = {"dev": "dev", "scaled-dev": "dev", "final": "final", "scaled": "final"}.get(phase, phase)  # learn-dev, learn, curve
 
     def on_done(name, out_dir, seconds):
-        append_result(os.path.join(results, "runs.jsonl"), run_record(name, kind, *meta[name], out_dir, seconds))
+        k = "final" if meta[name][0] == "backbone" and kind == "learn" else kind  # the one backbone eval per layout
+        append_result(os.path.join(results, "runs.jsonl"), run_record(name, k, *meta[name], out_dir, seconds))
 
     for name, argv in jobs:  # a run finished in an earlier sitting whose record is missing: record it now
         out_dir = argv[argv.index("--out_dir") + 1]
@@ -1410,7 +1584,13 @@ def main(argv=None):
         check = scaled_dev_check(load_results(os.path.join(results, "runs.jsonl")), lr)
         print(f"[experiment] scaled arm − GRPO on the dev layouts (floor {SCALED_FLOOR:+}): {check}")
         run_jobs(a, b, backbone, "scaled", results, lr)
-    if a.cmd in ("all", "runs", "dev", "scaled"):
+    if a.cmd == "learn-dev":  # the learning regime's candidates, GRPO on the dev layouts (LEARN_DEV)
+        run_jobs(a, b, backbone, "learn-dev", results)
+    if a.cmd == "learn":  # the frozen regime (LEARN_PICK): the four methods on layouts 0-4
+        run_jobs(a, b, backbone, "learn", results, job_budget(b, "learn-", a.smoke).lr)
+    if a.cmd == "curve":  # one GRPO learning curve (README): <out>/curve.png
+        return run_curve(a, b, backbone, results)
+    if a.cmd in ("all", "runs", "dev", "scaled", "learn-dev", "learn"):
         report(results)
 
 
