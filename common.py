@@ -178,9 +178,9 @@ class CollectStats:
     gen_seconds: float = 0.0     # wall seconds in engine.sample (the policy's turns),
     env_seconds: float = 0.0     # ... in env resets and steps (and the bookkeeping between them)
 
-    def metrics(self, d: Dist, require: bool = False) -> dict:
-        """Summed over all ranks. Every retrieval of the update failing gets one warning line on rank 0 (fatal
-        with --require_endpoint, on every rank alike)."""
+    def metrics(self, d: Dist, require: bool = False, search: bool = False) -> dict:
+        """Summed over all ranks; the search/* keys only for the search env (search). Every retrieval of the update
+        failing gets one warning line on rank 0 (fatal with --require_endpoint, on every rank alike)."""
         s = global_sums({"truncated": self.truncated_prompts, "unterminated": self.unterminated_responses,
                          "retrievals": self.retrievals, "failures": self.retrieval_failures, "bad": self.bad_replies,
                          "excess": self.excess_docs,
@@ -190,10 +190,10 @@ class CollectStats:
         if s["retrievals"] and s["failures"] + s["bad"] == s["retrievals"]:
             total_failure(f"search: all {int(s['retrievals'])} retrievals from {self.retriever} failed this update "
                           f"({int(s['bad'])} bad replies): the agent saw failure texts instead of documents", require, d)
+        retrieval = {"search/retrievals": s["retrievals"], "search/retrieval_failures": s["failures"],
+                     "search/bad_replies": s["bad"], "search/excess_docs": s["excess"]} if search else {}
         return {"rollout/truncated_prompts": s["truncated"], "rollout/unterminated_responses": s["unterminated"],
-                "search/retrievals": s["retrievals"], "search/retrieval_failures": s["failures"],
-                "search/bad_replies": s["bad"], "search/excess_docs": s["excess"],
-                "time/rollout_generation": s["gen_s"], "time/rollout_env": s["env_s"],
+                **retrieval, "time/rollout_generation": s["gen_s"], "time/rollout_env": s["env_s"],
                 "perf/rollout_gen_tokens": s["gen_tokens"], "perf/rollout_prompt_tokens": s["prompt_tokens"],
                 "perf/rollout_turns": s["turns"]}
 

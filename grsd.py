@@ -562,7 +562,7 @@ def main(args: Args):
                     "reflection/truncated_prompts": s["refl_cut"], "guidance/truncated_prompts": s["guide_cut"],
                     "guidance/active_groups": s["active"], "guidance/empty": s["empty"],
                     **harness.endpoint_metrics(client, seen, d, args.require_endpoint),  # endpoint/judge/*
-                    **cstats.metrics(d, args.require_endpoint),
+                    **cstats.metrics(d, args.require_endpoint, args.env == "search"),
                     **C.rollout_metrics(trajs, d)})
         row.update(harness.engine_metrics(engine, work, d))  # every role
         row.update(harness.validate(update, args, engine, policy, evals, d, timer))

@@ -570,7 +570,8 @@ class Run:
             shown = {k: torch.get_num_threads() if k == "threads" else getattr(args, k)
                      for k in SHOWN if hasattr(args, k)}
             print(f"[{method}] " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
-        self.bar = tqdm(total=total, initial=len(rows), desc=method, disable=not d.main, dynamic_ncols=True)
+        done = sum(1 for r in rows if "update" in r)  # the bar counts updates (not SEED's stage-1 row)
+        self.bar = tqdm(total=total, initial=done, desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
         self.warned_off = False  # the rollout/trainer mismatch warning (end_update) is printed once
         reset_samples(getattr(args, "log_samples", 0))  # (nothing recorded before the run counts)
@@ -632,10 +633,11 @@ class Run:
         if self.tracker:
             self.tracker.log(row, row.get("update", -1) + 1)  # step = updates done (0: stage 1 / eval-only)
         for key, short in (("charts/success_rate", "success"), ("losses/total", "loss"), ("eval/success", "eval")):
-            if key in row:
-                self.shown[short] = round(row[key], 4)
+            if row.get(key) is not None:
+                self.shown[short] = row[key]  # tqdm shows 3 significant digits: a loss of 1.57e-05 is not "0"
         self.bar.set_postfix(self.shown)
-        self.bar.update(1)
+        if "update" in row or row.get("eval_only"):  # an update's row (or the eval-only run's one); not stage 1's
+            self.bar.update(1)
 
     def end_update(self, update: int, row: dict, timer, t0: float, policy, opt, tok):
         """Close update `update`: a resumable checkpoint every save_every updates and after the last (`final`), then
@@ -1128,14 +1130,22 @@ def run_main(main, args):
     try:
         main(args)
     except KeyboardInterrupt:
-        from tqdm import tqdm
-        for bar in list(getattr(tqdm, "_instances", ())):  # the bar's last line before ours, not after it
-            bar.close()
+        close_bars()
         if os.environ.get("RANK", "0") == "0":
             state = latest_state(args.out_dir)[0] if os.path.isdir(args.out_dir) else None
             print(f"\ninterrupted: the last complete checkpoint is {state} (continue with --resume)" if state else
                   "\ninterrupted before any checkpoint was saved", file=sys.stderr)
         raise SystemExit(130) from None
+    except BaseException:  # a one-line refusal (SystemExit) or a traceback: it is the last line, below the bar
+        close_bars()
+        raise
+
+
+def close_bars():
+    """Close every progress bar now: a bar left open repaints at interpreter exit, below the error printed last."""
+    from tqdm import tqdm
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):

@@ -617,7 +617,7 @@ def main(args: Args):
         row.update(harness.endpoint_metrics(client, seen, d, args.require_endpoint))  # endpoint/analyzer/*
         n_zero, n_grp = C.global_sum([float((adv.abs().sum(1) == 0).sum()), adv.shape[0]], d.device)
         row.update({"adv/tied_group_frac": n_zero / max(n_grp, 1),
-                    **cstats.metrics(d, args.require_endpoint),
+                    **cstats.metrics(d, args.require_endpoint, args.env == "search"),
                     **C.rollout_metrics(trajs, d)})
         row.update(harness.engine_metrics(engine, work, d))  # every role
         row.update(harness.validate(update, args, engine, policy, evals, d, timer))

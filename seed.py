@@ -473,7 +473,7 @@ def main(args: Args):
     eval_context = baselines.library_context(library, tok, args) if args.eval_with_skills else None  # Skill-Prompt*
     if args.eval_only:
         return models.shutdown(harness.eval_only(args, "seed", d, base, tok, evals, eval_context))
-    run = harness.Run(args, "seed", d, args.updates + (not args.skip_sft))  # out_dir, metrics rows, --resume
+    run = harness.Run(args, "seed", d, args.updates)  # out_dir, metrics rows, --resume
     # the rollout engine, for both stages: it holds the base model for stage 1; sync() pushes θ before every use
     engine = models.make_engine(args, base, tok, d)
 
@@ -524,7 +524,7 @@ def main(args: Args):
         row.update({"skills/valid_rate": n["skills"] / max(n["trajs"], 1),
                     "adv/tied_group_frac": n["tied"] / max(n["groups"], 1),
                     "adv/abs_mean": n["adv_abs"] / max(n["trajs"], 1),
-                    **cstats.metrics(d, args.require_endpoint),
+                    **cstats.metrics(d, args.require_endpoint, args.env == "search"),
                     **C.rollout_metrics(trajs, d)})
         row.update(harness.engine_metrics(engine, work, d))  # every role
         row.update(harness.validate(update, args, engine, policy, evals, d, timer, eval_context))

@@ -326,7 +326,7 @@ def test_failed_retrievals_are_counted_and_warned(case, tmp_path, capsys):
             server.shutdown()
     assert all(t.valid and "Search failed" in t.observation for tr in trajs for t in tr.turns)
     with one_rank() as d:
-        row = stats.metrics(d)
+        row = stats.metrics(d, search=True)
         assert row["search/retrievals"] == 8  # 2 tasks × 2 rollouts × 2 steps
         assert (row["search/retrieval_failures"], row["search/bad_replies"]) == ((0, 8) if case == "bad_reply" else (8, 0))
         where = kw.get("retriever_url") or f"the built-in BM25 over {data / 'corpus'}"

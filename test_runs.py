@@ -509,3 +509,36 @@ def test_readme_laptop_commands_run_in_the_order_written(tmp_path):
             assert (Path(res.stdout.split()[-1]) / "converted.json").is_file(), cmd
         else:
             assert re.search(r"^\[(seed|opid|grsd)\] metrics: ", res.stdout, re.M), cmd  # it ended with its result line
+
+
+def test_the_bar_counts_updates_and_shows_small_losses(tmp_path):
+    """Before: SEED's bar showed 3/3 for 2 updates (stage 1 counted) and `loss=0` for losses/total = 1.57e-05
+    (rounded to 4 decimals). The bar counts update rows (and an eval-only run's one), tqdm's 3 significant digits."""
+    import seed
+    args = seed.resolve(seed.Args(out_dir=str(tmp_path / "run"), updates=2))
+    with one_rank() as d:
+        r = harness.Run(args, "seed", d, args.updates)
+        r.log({"stage": 1, "sft/trajectories": 4})
+        r.log({"update": 0, "charts/success_rate": 0.25, "losses/total": 1.57e-05})
+        after_one = (r.bar.n, r.bar.total, str(r.bar))
+        r.log({"update": 1, "charts/success_rate": 0.5, "losses/total": float("nan")})  # null in the row: kept out
+        r.close()
+    assert after_one[:2] == (1, 2) and "loss=1.57e-5" in after_one[2] and "success=0.25" in after_one[2], after_one
+    assert (r.bar.n, r.bar.total) == (2, 2) and "loss=1.57e-5" in str(r.bar)
+
+
+def test_a_failing_run_ends_with_its_error_below_the_bar(tmp_path):
+    """Before: a run stopped by a one-line refusal mid-run (a full disk while saving) printed the message, then its
+    progress bar repainted below it at exit. run_main closes the bars first, for a refusal and a traceback alike."""
+    script = ("import sys, types; sys.path.insert(0, {here!r}); import harness; from tqdm import tqdm\n"
+              "def main(args):\n"
+              "    bar = tqdm(total=3, desc='seed'); bar.update(1)\n"
+              "    raise {error}\n"
+              "harness.run_main(main, types.SimpleNamespace(threads=None, out_dir={out!r}))\n")
+    for error, last in (("SystemExit('saving update2 failed: no space left on the device')",
+                         "saving update2 failed: no space left on the device"),
+                        ("ValueError('a traceback')", "ValueError: a traceback")):
+        res = subprocess.run([sys.executable, "-c", script.format(here=str(HERE), error=error, out=str(tmp_path))],
+                             cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+        lines = [x for x in res.stderr.replace("\r", "\n").splitlines() if x.strip()]
+        assert res.returncode == 1 and lines[-1] == last and any("1/3" in x for x in lines[:-1]), res.stderr[-1500:]

@@ -323,6 +323,7 @@ def test_seed_end_to_end_single_process_with_http_annotator(tmp_path):
     lib = [json.loads(x) for x in open(tmp_path / "stage1" / "skills.jsonl")]
     assert len(lib) == rows[0]["sft/examples"]
     assert rows[1]["skills/valid_rate"] > 0  # the static library supplies skills to stage 2
+    assert not any(k.startswith("search/") for r in rows for k in r)  # household: no retriever counters
     # the saved checkpoint is a valid --model: HF directory path for weights and tokenizer (the GPU code path)
     again = [sys.executable, str(HERE / "seed.py"), "--model", str(tmp_path / "final"), "--skip_sft",
              "--out_dir", str(tmp_path / "again"), "--updates", "1", "--tasks_per_update", "1", "--group_size", "2",
@@ -376,6 +377,7 @@ def test_seed_runs_real_benchmark_episodes(env_name, data, tmp_path):
     steps = {"alfworld": 6, "search": 4, "webshop": 3}[env_name]  # tiny: ALFWorld ≤ 6, Search-R1 4, WebShop 3 here
     assert 1 <= row["charts/episode_length"] <= steps and row["train/tokens"] > 0
     assert "eval/success" in row and (tmp_path / "final" / "config.json").is_file()
+    assert any(k.startswith("search/") for k in row) == (env_name == "search")  # only the keys that apply
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_ranks_give_the_single_process_update

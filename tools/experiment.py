@@ -895,6 +895,7 @@ LEARN_DEV = {
     "g8-kl01-strict-lr1e-4": dict(G8, lr=1e-4, env_rules="strict"),
     "t04-g8-kl01-lr1e-4": dict(G8, lr=1e-4, temperature=0.4),
     "t04-g8-kl01-lr3e-5": dict(G8, lr=3e-5, temperature=0.4),
+    "t07-g8-kl01-lr5e-5-u16": dict(G8, updates=16, eval_every=8, lr=5e-5, temperature=0.7),  # a whole 30-min run
 }
 LEARN_PICK = None  # the candidate frozen for `learn` and `curve`: none yet (docs/experiment.md, "The learning regime")
 SMOKE_SIZE = dict(updates=1, eval_every=1, tasks_per_update=2, group_size=2)  # --smoke: the regime's flags, 1 update
