@@ -300,7 +300,8 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
                       temperature: float = 1.0):
     """Returns (logp [B, R], mask [B, R]): column j holds log π(response token j | prompt, response tokens < j), R is
     the longest response. π is the distribution the rollouts sample, softmax(logits / temperature), as verl's actor
-    scores it: at the papers' temperature 1 the model's own. Layout: each row's prompt + response is right-aligned (left padding only, pads hold token 0
+    scores it: at the papers' temperature 1 the model's own (also at temperature 0, greedy, which has no tempered
+    distribution). Layout: each row's prompt + response is right-aligned (left padding only, pads hold token 0
     and are masked), so a micro-batch is as wide as its longest sequence and every response ends in the last column:
     the model computes logits only for the last R + 1 positions (logits_to_keep), and each row's log-probs are then
     shifted to start at column 0. Left padding needs explicit position ids
@@ -315,7 +316,8 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1,
                    use_cache=False).logits[:, :-1]  # (a model in eval mode would build a KV cache nobody reads)
-    right = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
+    logits = logits.float() / (temperature if temperature > 0 else 1.0)
+    right = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
     n = torch.tensor([len(r) for r in responses], device=ids.device)[:, None]
     cols = torch.arange(R, device=ids.device)[None, :]
     mask = cols < n  # response token j of row i sits in column R - n_i + j of `right`

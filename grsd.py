@@ -440,8 +440,8 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
         ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
         live = [j for j, s in enumerate(refls) if s.adv != 0]  # A_ref = 0 ⇒ φ(ρ, 0) = 0: no pass needed
         RP, RR = [s.prompt_ids for s in refls], [s.response_ids for s in refls]
-        r_old = dict(zip(live, C.score(policy, [RP[j] for j in live], [RR[j] for j in live], args.micro_batch,
-                                       d.device, args.micro_batch_tokens, args.temperature)))  # reflection tokens, θ_old
+        r_old = dict(zip(live, C.score(policy, [RP[j] for j in live], [RR[j] for j in live], args.micro_batch,  # θ_old
+                                       d.device, args.micro_batch_tokens, args.temperature)))  # reflection tokens
     rows = [j for j, s in enumerate(turns) if s.teacher_ids]
     tea = list(old)
     with timer("teacher"):                                                          # Eq. (9): ℓ_tea under θ̄

@@ -205,6 +205,9 @@ def test_scoring_at_the_sampling_temperature_is_the_tempered_distribution():
             assert torch.allclose(trained[i, :len(r)].detach(), want, atol=1e-5)
             if T != 1.0:  # and it is not the model's own: the test would notice a dropped temperature
                 assert (want - z.log_softmax(-1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)).abs().max() > 0.01
+    greedy, _ = C.sequence_logprobs(model, prompts, responses, "cpu", temperature=0.0)  # no division by 0: T = 1
+    own, _ = C.sequence_logprobs(model, prompts, responses, "cpu")
+    assert torch.isfinite(greedy).all() and torch.equal(greedy, own)
 
 
 def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_padding():
