@@ -57,6 +57,14 @@ def d():
             os.environ[k] = v
 
 
+@pytest.fixture(autouse=True)
+def scratch_cwd(tmp_path_factory, monkeypatch):
+    """Hermetic tests: each test runs in an empty working directory of its own, so a default --out_dir
+    (runs/<method>, relative) never meets the runs/ the README's Quick start leaves in the checkout, and nothing a
+    test writes lands there. Files of the checkout are read through HERE."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="module")
 def tok():
     return models.load_tokenizer("tiny")

@@ -117,7 +117,7 @@ PAPER = {  # §4.1, App. C
 # WebShop: verl-agent's 15 steps, 4096-token prompts, its 500 validation goals
 PAPER["webshop"] = dict(PAPER["alfworld"], max_steps=15, max_prompt_len=4096, eval_tasks=500)
 PAPER["household"] = PAPER["alfworld"]
-TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
+LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
             reflection_max_tokens=48, reflection_prompt_len=2048, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps
 
 
@@ -129,8 +129,8 @@ def resolve(args: Args) -> Args:
                          f"{args.lambda_mod * args.g_hat:g}")
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
-    if args.model == "tiny":
-        for k, v in TINY.items():
+    if args.model == "tiny" or args.env == "household":  # the laptop preset, for any model on household
+        for k, v in LAPTOP.items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
         if args.max_steps is None:
@@ -512,6 +512,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
 
 def main(args: Args):
     args = resolve(args)
+    harness.show_settings(args, "grsd")  # the first line, before anything loads
     d = models.init_distributed(args.seed)
     base = models.resolve_model(args.model)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
     tok = models.load_tokenizer(base)
@@ -572,4 +573,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    harness.run_main(main, harness.parse_args(Args, PAPER, TINY))
+    harness.run_main(main, harness.parse_args(Args, PAPER, LAPTOP))

@@ -438,7 +438,24 @@ class Tracker:
 
 
 SHOWN = ("env", "model", "engine", "updates", "tasks_per_update", "group_size", "max_steps", "max_prompt_len",
-         "max_response_len", "lr", "eval_every", "eval_tasks", "eval_split", "threads", "out_dir")  # Run's first line
+         "max_response_len", "lr", "eval_every", "eval_tasks", "eval_split", "threads", "out_dir")
+
+
+def show_settings(args, method: str) -> None:
+    """A run's first line (rank 0), before anything loads: what the presets resolved to; then a line for each task
+    count smaller than the world (each rank plays whole tasks: the ranks left over idle, never silently)."""
+    if os.environ.get("RANK", "0") == "0":
+        shown = {k: torch.get_num_threads() if k == "threads" else getattr(args, k) for k in SHOWN if hasattr(args, k)}
+        print(f"[{method}] " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+        print_idle_ranks(method, {"tasks_per_update": args.tasks_per_update, "eval_tasks": args.eval_tasks})
+
+
+def print_idle_ranks(method: str, counts: dict[str, int]) -> None:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    for flag, n in counts.items():
+        if n and n < world:
+            print(f"[{method}] --{flag} {n} on {world} ranks leaves {world - n} of them idle (each rank plays whole "
+                  f"tasks); --{flag} {world} or more uses every rank", flush=True)
 
 
 def lock_holder(out_dir: str) -> str | None:
@@ -567,10 +584,6 @@ class Run:
         first_step = self.start + 1 if self.state else 0 if args.resume else None  # TensorBoard drops redone steps
         self.tracker = Tracker(args.track, self.out, f"{method}:{os.path.basename(os.path.abspath(self.out))}", run_id,
                                vars(args), first_step) if d.main and args.track != "none" else None
-        if d.main:  # what the presets resolved to (a real model on household gets paper scale unless told)
-            shown = {k: torch.get_num_threads() if k == "threads" else getattr(args, k)
-                     for k in SHOWN if hasattr(args, k)}
-            print(f"[{method}] " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
         done = sum(1 for r in rows if "update" in r)  # the bar counts updates (not SEED's stage-1 row)
         self.bar = tqdm(total=total, initial=done, desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
@@ -1149,9 +1162,10 @@ def close_bars():
         bar.close()
 
 
-def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):
+def parse_args(cls, paper: dict | None = None, laptop: dict | None = None):
     """A typed dataclass -> argparse CLI (`--field value`; booleans are `--flag` / `--no-flag`), CleanRL style. Help
-    shows every default; a None default shows what it resolves to (per-env paper value, tiny-model preset)."""
+    shows every default; a None default shows what it resolves to (per-env paper value; the laptop preset, which the
+    tiny model and any model on household get)."""
     import argparse
     import dataclasses
     import typing
@@ -1162,8 +1176,10 @@ def parse_args(cls, paper: dict | None = None, tiny: dict | None = None):
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
         default = f.default
         if default is None:
-            per_env = [f"{env} {v[f.name]}" for env, v in (paper or {}).items() if f.name in v]
-            per_env += [f"tiny model {tiny[f.name]}"] if f.name in (tiny or {}) else []
+            on_laptop = f.name in (laptop or {})
+            per_env = [f"{env} {v[f.name]}" for env, v in (paper or {}).items()
+                       if f.name in v and not (on_laptop and env == "household")]
+            per_env += [f"tiny model or household {laptop[f.name]}"] if on_laptop else []
             default = ", ".join(per_env) or None
         help_text = f.metadata.get("help", "")
         if default is not None or "default" not in help_text:  # else the help line says what None means

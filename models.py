@@ -140,30 +140,52 @@ def resolve_model(name: str) -> str:
     expanded) is itself; anything else is a hub id, fetched into the Hugging Face cache (or found there: offline,
     HF_HUB_OFFLINE=1) by local rank 0 of each node while the other ranks wait at a barrier, then looked up in the cache
     by every rank, so 8 ranks never race one download and all read the same snapshot. Safetensors weights, configs
-    and tokenizer files only (`*.bin` where a repository has no safetensors). A model found nowhere stops every rank
-    with one line naming what was tried. Collective when a process group exists."""
+    and tokenizer files only (`*.bin` where a repository has no safetensors). A hub that does not answer within
+    HUB_PROBE_S is not asked further (the cache alone is looked in), and a model found nowhere stops every rank with
+    one line naming what was tried and what to pass instead. Collective when a process group exists."""
     if name == "tiny":
         return name
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         return os.path.abspath(path)
+    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
     error = None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        try:
-            fetch_snapshot(name, offline=False)
-        except Exception as e:  # noqa: BLE001 (any failure of the hub client becomes the one line below)
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not HF_HUB_OFFLINE:
+        error = hub_unreachable(name)  # seconds, where the hub client's retries take ~50 s to give up
+        if error is None:
+            try:
+                fetch_snapshot(name, offline=False)
+            except Exception as e:  # noqa: BLE001 (any failure of the hub client becomes the one line below)
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if dist.is_initialized():  # (also the barrier: no rank looks before its node's rank 0 is done)
         error = next((e for e in all_gather_objects(error) if e), None)
-    if error is None:
-        try:
-            return fetch_snapshot(name, offline=True)
-        except Exception as e:  # noqa: BLE001 (a cache another process changed meanwhile)
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
+    try:  # fetched just now, or cached before (an unreachable hub, HF_HUB_OFFLINE=1)
+        return fetch_snapshot(name, offline=True)
+    except Exception as e:  # noqa: BLE001
+        error = error or f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     hub = "the hub was not asked (HF_HUB_OFFLINE=1)" if HF_HUB_OFFLINE else "the hub could not give it"
     raise SystemExit(f"--model {name}: no directory {path}, not in the Hugging Face cache {HF_HUB_CACHE}, and {hub} "
-                     f"({error}); pass a local model directory, tiny, or a hub id with network access")
+                     f"({error}); pass --model tiny (the offline test model), a local model directory, or a hub id "
+                     f"with network access")
+
+
+HUB_PROBE_S = 5.0  # seconds the hub may take to answer at all
+
+
+def hub_unreachable(repo_id: str) -> str | None:
+    """Why the hub did not answer a HEAD request about `repo_id` within HUB_PROBE_S seconds, or None when it answered
+    (any status: a gated or unknown repository is the hub client's to explain). Proxies as urllib reads them."""
+    import urllib.error
+    import urllib.request
+    from huggingface_hub.constants import ENDPOINT
+    url = f"{ENDPOINT}/api/models/{repo_id}"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=HUB_PROBE_S).close()
+    except urllib.error.HTTPError:
+        return None
+    except Exception as e:  # noqa: BLE001 (no DNS, refused, timed out, TLS: the hub cannot be asked)
+        return f"{ENDPOINT} did not answer within {HUB_PROBE_S:g} s: {type(e).__name__}: {str(e)[:120]}"
+    return None
 
 
 def fetch_snapshot(repo_id: str, offline: bool) -> str:

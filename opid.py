@@ -110,7 +110,7 @@ PAPER = {  # B.4, Table 6, official scripts
 # WebShop: verl-agent's 15 steps, 4096-token prompts, its 500 validation goals
 PAPER["webshop"] = dict(PAPER["alfworld"], max_steps=15, max_prompt_len=4096, eval_tasks=500)
 PAPER["household"] = PAPER["alfworld"]
-TINY = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
+LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
             analyzer_max_tokens=64, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps, paper K and β
 
 
@@ -118,13 +118,13 @@ def resolve(args: Args) -> Args:
     harness.check_choices(args, Args)
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
-    if args.model == "tiny":
-        for k, v in TINY.items():
+    if args.model == "tiny" or args.env == "household":  # the laptop preset, for any model on household
+        for k, v in LAPTOP.items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
-        if args.max_steps is None:  # the tiny preset: at most 6 steps per episode
+        if args.max_steps is None:  # the laptop preset: at most 6 steps per episode
             args.max_steps = min(6, PAPER[args.env]["max_steps"])
-    for k, v in PAPER[args.env].items():  # the rest (|C_τ| max, β) are the paper's also for the tiny model
+    for k, v in PAPER[args.env].items():  # the rest (|C_τ| max, β) are the paper's also on a laptop
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.bf16 is None:
@@ -145,7 +145,7 @@ def episode_advantages(rewards: torch.Tensor) -> torch.Tensor:
     A tied group (σ = 0: nothing to prefer) gets exactly 0 instead of 0/0; float32 R − μ of eight 0.9s is ~1e-8,
     not 0, so ties are detected on the rewards themselves."""
     mu = rewards.mean(dim=1, keepdim=True)
-    sigma = rewards.std(dim=1, unbiased=False, keepdim=True)
+    sigma = (rewards - mu).pow(2).mean(dim=1, keepdim=True).sqrt()  # population std (a rank with no group: [0, N])
     tied = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     return ((rewards - mu) / sigma.masked_fill(tied, 1.0)).masked_fill(tied, 0.0)
 
@@ -578,6 +578,7 @@ def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> di
 
 def main(args: Args):
     args = resolve(args)
+    harness.show_settings(args, "opid")  # the first line, before anything loads
     d = models.init_distributed(args.seed)
     base = models.resolve_model(args.model)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
     tok = models.load_tokenizer(base)
@@ -627,4 +628,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    harness.run_main(main, harness.parse_args(Args, PAPER, TINY))
+    harness.run_main(main, harness.parse_args(Args, PAPER, LAPTOP))

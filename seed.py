@@ -132,7 +132,7 @@ PAPER = {  # Table 5 / §4.1
 # WebShop: verl-agent's 15 steps, 4096-token prompts, its 500 validation goals
 PAPER["webshop"] = dict(PAPER["alfworld"], max_steps=15, max_prompt_len=4096, eval_tasks=500)
 PAPER["household"] = PAPER["alfworld"]
-TINY = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollouts=2, max_prompt_len=1024,
+LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollouts=2, max_prompt_len=1024,
             max_response_len=48, annotator_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps
 
 
@@ -140,11 +140,11 @@ def resolve(args: Args) -> Args:
     harness.check_choices(args, Args)
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
-    preset = TINY if args.model == "tiny" else PAPER[args.env]
+    preset = LAPTOP if args.model == "tiny" or args.env == "household" else PAPER[args.env]  # any model on household
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.max_steps is None:  # only the tiny preset leaves it open: at most 6 steps per episode
+    if args.max_steps is None:  # only the laptop preset leaves it open: at most 6 steps per episode
         args.max_steps = min(6, PAPER[args.env]["max_steps"])
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available()
@@ -178,7 +178,7 @@ def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
     A tied group gets exactly 0 (Prop. 2): in float32, R − μ and σ of e.g. eight 0.9s are ~1e-8, not 0, and
     dividing by σ + ε would hand the whole group a spurious ±5% advantage."""
     mu = rewards.mean(dim=1, keepdim=True)
-    sigma = rewards.std(dim=1, unbiased=False, keepdim=True)
+    sigma = (rewards - mu).pow(2).mean(dim=1, keepdim=True).sqrt()  # population std (a rank with no group: [0, N])
     tied = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     return ((rewards - mu) / (sigma + eps)).masked_fill(tied, 0.0)
 
@@ -278,11 +278,14 @@ def run_stage1(args, d, base, tok, make_env, train_ids, run, engine) -> str:
     policy = models.shard(models.load_model(base, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
     tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
     run.note(f"stage 1: {args.sft_tasks} tasks × {args.sft_rollouts} rollouts with the base policy")
+    if d.main:
+        harness.print_idle_ranks("seed", {"sft_tasks": args.sft_tasks})
     with timer("rollout"):
         trajs, _ = C.collect(engine, make_env, tasks, args.sft_rollouts, args.max_prompt_len, args.max_response_len,
                              args.temperature, args.top_p)
     client = harness.make_client(args.annotator_url, args.annotator_model, "annotator", args)
-    run.note(f"stage 1: annotating {len(trajs) * d.world} trajectories ({args.annotator_url or 'the policy itself'})")
+    (n_all,) = C.global_sum([len(trajs)], d.device)  # every rank's, as every count printed or logged
+    run.note(f"stage 1: annotating {int(n_all)} trajectories ({args.annotator_url or 'the policy itself'})")
     with timer("analysis"):
         skills = analyze(trajs, engine, args, client)
     engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the SFT steps
@@ -464,6 +467,7 @@ def library_skills(trajs, lib, rng) -> list[str | None]:
 
 def main(args: Args):
     args = resolve(args)
+    harness.show_settings(args, "seed")  # the first line, before anything loads
     d = models.init_distributed(args.seed)
     base = models.resolve_model(args.model)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
     tok = models.load_tokenizer(base)
@@ -534,4 +538,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    harness.run_main(main, harness.parse_args(Args, PAPER, TINY))
+    harness.run_main(main, harness.parse_args(Args, PAPER, LAPTOP))

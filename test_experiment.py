@@ -20,6 +20,9 @@ import mechanism as M
 import grsd
 import opid
 import seed
+from conftest import HERE
+
+EXPERIMENT = str(HERE / "tools" / "experiment.py")
 
 SEEDS, MAX_STEPS = (0,), 15
 
@@ -278,7 +281,7 @@ def test_experiment_smoke_run(tmp_path):
     out = tmp_path / "exp"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "tools/experiment.py", "--smoke", "--out", str(out), "--threads", "1"],
+    r = subprocess.run([sys.executable, EXPERIMENT, "--smoke", "--out", str(out), "--threads", "1"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
@@ -305,18 +308,18 @@ def test_experiment_smoke_run(tmp_path):
     assert all(f"| {m} | 1 |" in table for m in ("backbone",) + E.METHODS) and "| 0.0001 | 1 |" in table
     assert (results / "curves.png").stat().st_size > 10_000
     shutil.rmtree(out / "grpo-s0")  # as on a fresh machine: runs/ is gone, the record stays
-    again = subprocess.run([sys.executable, "tools/experiment.py", "runs", "--smoke", "--out", str(out)],
+    again = subprocess.run([sys.executable, EXPERIMENT, "runs", "--smoke", "--out", str(out)],
                            capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0 and again.stdout.count("runs.jsonl, skipped") == 5, again.stdout  # resumes by record
     assert (results / "table.md").read_text() == table and not (out / "grpo-s0").exists()
     digest = json.loads((results / "backbone.json").read_text())
     assert digest["sha256"] == E.backbone_digest(str(out / "backbone")) and digest["step"] == second["step"]
     (results / "backbone.json").write_text(json.dumps({**digest, "sha256": "0" * 64}))  # a rebuild that differs
-    refused = subprocess.run([sys.executable, "tools/experiment.py", "runs", "--smoke", "--out", str(out)],
+    refused = subprocess.run([sys.executable, EXPERIMENT, "runs", "--smoke", "--out", str(out)],
                              capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode != 0 and "is not the one the runs" in refused.stderr, refused.stderr[-2000:]
     (results / "backbone.json").write_text(json.dumps(digest))
-    scaled = subprocess.run([sys.executable, "tools/experiment.py", "scaled", "--smoke", "--out", str(out),
+    scaled = subprocess.run([sys.executable, EXPERIMENT, "scaled", "--smoke", "--out", str(out),
                              "--threads", "1"], capture_output=True, text=True, timeout=600, env=env)
     assert scaled.returncode == 0, scaled.stdout[-3000:] + scaled.stderr[-3000:]
     records = E.load_results(str(results / "runs.jsonl"))
@@ -391,9 +394,9 @@ def test_scaled_arm_flags_parse_to_the_stated_coefficients(monkeypatch):
         assert script == paper_script == f"{mod.__name__}.py" and extra[:len(paper_extra)] == paper_extra
         for flags, value in ((extra, want), (paper_extra, paper)):
             monkeypatch.setattr(sys, "argv", [script] + E.shared_flags(b, "m", 0, "o", 1e-5) + flags)
-            assert getattr(harness.parse_args(mod.Args, mod.PAPER, mod.TINY), field) == value
+            assert getattr(harness.parse_args(mod.Args, mod.PAPER, mod.LAPTOP), field) == value
     monkeypatch.setattr(sys, "argv", ["grsd.py"] + E.run_flags("grsd_scaled", "u", b, 1e-5)[1])
-    g = harness.parse_args(grsd.Args, grsd.PAPER, grsd.TINY)
+    g = harness.parse_args(grsd.Args, grsd.PAPER, grsd.LAPTOP)
     assert g.lambda_mod * g.g_hat == pytest.approx(0.5)  # Â/A within [0.5, 1.5]: no sign flips (Prop. 2)
 
 
@@ -445,7 +448,8 @@ def test_learning_regime_plan_flags_and_sample_efficiency_by_hand(monkeypatch):
     plan = [n for n, *_ in E.planned_runs(b, "learn", 1e-4, [])]
     assert plan[:10] == [f"backbone-s{s}" for s in b.seeds] + [f"learn-grpo-s{s}" for s in b.seeds]
     assert plan[10:13] == ["learn-seed-s0", "learn-opid-s0", "learn-grsd-s0"] and len(plan) == 25
-    assert [n for n, *_ in E.planned_runs(b, "learn-dev", 0, [])] == [f"learn-dev-{c}-s100" for c in E.LEARN_DEV]
+    assert [n for n, *_ in E.planned_runs(b, "learn-dev", 0, [])] == [f"learn-dev-{c}-s100" for c in E.LEARN_DEV] + \
+        [f"learn-dev-{c}-s101" for c in E.LEARN_CONFIRM]  # a candidate that gained on layout 100 is re-run on 101
 
     def rec(method, seed, train):
         return {"name": f"learn-{method}-s{seed}", "phase": "learn", "method": method, "seed": seed, "lr": 1e-4,

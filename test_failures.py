@@ -405,7 +405,7 @@ def test_bad_flags_are_refused_before_anything_loads(method, argv, message, monk
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", "--out_dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit, match=re.escape(message)):
-        mod.resolve(harness.parse_args(mod.Args, mod.PAPER, mod.TINY))
+        mod.resolve(harness.parse_args(mod.Args, mod.PAPER, mod.LAPTOP))
     assert not any(tmp_path.iterdir())
 
 
@@ -417,6 +417,29 @@ def test_a_bad_flag_exits_in_one_line_without_a_traceback(method, tmp_path):
                          cwd=HERE, env=env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and res.stderr.strip().count("\n") == 0 and "--group_size" in res.stderr
     assert time.perf_counter() - t0 < 30 and not any(tmp_path.iterdir())  # imports only: no model, no env
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_fails_in_seconds_after_the_settings_line(tmp_path):
+    """Issue 41: `--env alfworld` without --model (a hub id) on a machine whose hub never answers took ~50 s of the
+    hub client's retries, then a 77-line traceback, and the settings line never printed. The hub here accepts
+    connections and never replies; the run must print its settings, then stop in one line naming --model tiny."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(16)], daemon=True).start()
+    hub = {**env(), "HF_ENDPOINT": f"http://127.0.0.1:{server.getsockname()[1]}", "HF_HOME": str(tmp_path / "hf")}
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, str(HERE / "seed.py"), "--env", "alfworld", "--data_dir",
+                          str(SHARED / "alfworld"), "--out_dir", str(tmp_path / "run")],
+                         env=hub, capture_output=True, text=True, timeout=120)
+    took = time.perf_counter() - t0
+    server.close()
+    assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr[-2000:]
+    assert "did not answer within 5 s" in res.stderr and "pass --model tiny" in res.stderr, res.stderr
+    assert res.stdout.startswith("[seed] env alfworld, model Qwen/Qwen2.5-3B-Instruct, engine hf, updates 150")
+    assert took < 25, took  # imports (~5-10 s on 2 busy cores) + the 5 s probe
 
 
 @pytest.mark.parametrize("hub_id", ["gpt2", "Qwen/Qwen2.5-3B-Instruct"])

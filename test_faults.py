@@ -308,7 +308,7 @@ BAD_FLOATS = [(["--lr", "0"], "--lr must be > 0"), (["--lr=-1e-6"], "--lr must b
 def test_bad_float_flags_are_refused_before_anything_loads(argv, message, monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["opid.py", "--out_dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        opid.resolve(harness.parse_args(opid.Args, opid.PAPER, opid.TINY))
+        opid.resolve(harness.parse_args(opid.Args, opid.PAPER, opid.LAPTOP))
     assert not any(tmp_path.iterdir())
 
 

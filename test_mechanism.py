@@ -11,7 +11,7 @@ import models
 import experiment as E
 import mechanism as M
 import seed
-from conftest import play
+from conftest import HERE, play
 
 
 def test_within_auc_by_hand():
@@ -141,6 +141,6 @@ def test_measure_on_scripted_trajectories(tok, d):
 def test_household_room_flag_is_refused_for_other_envs():
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "seed.py", "--env", "search", "--household_room", "small"],
+    r = subprocess.run([sys.executable, str(HERE / "seed.py"), "--env", "search", "--household_room", "small"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--household_room is the household env's option" in r.stderr, r.stderr[-500:]

@@ -342,6 +342,10 @@ def test_seed_end_to_end_torchrun_two_ranks_one_idle(tmp_path):
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     check_run(tmp_path, 2, sft_examples=False)  # the random tiny policy writes no well-formed skill
+    # issue 41: the idle rank is said, counts are global (not rank 0's × the world), no std warning from it
+    assert "--tasks_per_update 1 on 2 ranks leaves 1 of them idle" in res.stdout, res.stdout
+    assert "stage 1: annotating 2 trajectories" in res.stdout and "0 of 2 trajectories" in res.stdout, res.stdout
+    assert "degrees of freedom" not in res.stderr
 
 
 @pytest.mark.slow

@@ -897,6 +897,7 @@ LEARN_DEV = {
     "t04-g8-kl01-lr3e-5": dict(G8, lr=3e-5, temperature=0.4),
     "t07-g8-kl01-lr5e-5-u16": dict(G8, updates=16, eval_every=8, lr=5e-5, temperature=0.7),  # a whole 30-min run
 }
+LEARN_CONFIRM = ("t07-g8-kl01-lr5e-5-u16",)  # candidates that gained on the first dev layout, re-run on the second
 LEARN_PICK = None  # the candidate frozen for `learn` and `curve`: none yet (docs/experiment.md, "The learning regime")
 SMOKE_SIZE = dict(updates=1, eval_every=1, tasks_per_update=2, group_size=2)  # --smoke: the regime's flags, 1 update
 
@@ -1453,7 +1454,8 @@ def planned_runs(b: Budget, phase: str, lr: float, records: list[dict]) -> list[
             [(f"grpo-s{s}", "grpo", s, lr) for s in b.seeds] + \
             [(f"{m}-s{s}", m, s, lr) for s in b.seeds for m in METHODS if m != "grpo"]
     if phase == "learn-dev":  # b: the un-overridden Budget; each candidate's lr is in its overrides
-        return [(f"learn-dev-{c}-s{b.dev_seeds[0]}", "grpo", b.dev_seeds[0], LEARN_DEV[c]["lr"]) for c in LEARN_DEV]
+        return [(f"learn-dev-{c}-s{b.dev_seeds[0]}", "grpo", b.dev_seeds[0], LEARN_DEV[c]["lr"]) for c in LEARN_DEV] + \
+            [(f"learn-dev-{c}-s{s}", "grpo", s, LEARN_DEV[c]["lr"]) for c in LEARN_CONFIRM for s in b.dev_seeds[1:]]
     if phase == "learn":  # the backbone evals are the final phase's (same layouts, tasks, steps and temperature)
         return [(f"backbone-s{s}", "backbone", s, 0.0) for s in b.seeds] + \
             [(f"learn-grpo-s{s}", "grpo", s, lr) for s in b.seeds] + \
