@@ -8,6 +8,7 @@ Markers: `slow` marks the tests that spawn processes (seed.py / opid.py / grsd.p
 vLLM, or play real benchmark games; `python -m pytest -q -m "not slow"` is the fast tier, `python -m pytest -q` the
 full suite (what CI runs)."""
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -116,8 +117,20 @@ def run(cmd, timeout=400):
 
 
 def rows_of(out):
-    """metrics.jsonl of a run directory (blank lines skipped)."""
-    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl") if line.strip()]
+    """metrics.jsonl of a run directory (blank lines skipped); every key must be documented in docs/metrics.md, so
+    each test that reads a real run's rows fails on a key the code emits and the docs do not explain."""
+    rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl") if line.strip()]
+    missing = sorted({k for r in rows for k in r if not any(p.fullmatch(k) for p in documented_keys())})
+    assert not missing, f"keys missing from docs/metrics.md: {missing}"
+    return rows
+
+
+@functools.cache
+def documented_keys() -> list:
+    """docs/metrics.md's keys, the first cell of its table rows; `<name>` matches one name without a slash."""
+    import re
+    keys = re.findall(r"^\| `([^`]+)` \|", (HERE / "docs" / "metrics.md").read_text(), re.M)
+    return [re.compile(re.sub(r"<[^>]+>", "[^/]+", re.escape(k))) for k in keys]
 
 
 def strict_rows_of(out):

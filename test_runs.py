@@ -18,7 +18,7 @@ import torch
 import bench
 import harness
 import plot
-from conftest import HERE, SHARED, descendants, env, free_port, one_rank, rows_of, run
+from conftest import HERE, SHARED, descendants, env, free_port, one_rank, rows_of, run, strict_rows_of
 
 BASE = ["--tasks_per_update", "2", "--group_size", "2", "--eval_tasks", "2"]
 FAST = {"seed": ["--sft_tasks", "2", "--sft_rollouts", "2"], "opid": [],
@@ -228,7 +228,7 @@ def test_resume_keeps_the_rows_its_checkpoint_covers_and_recovers_its_own(tmp_pa
         args = opid.resolve(opid.Args(out_dir=str(tmp_path), resume=True, updates=4))
         r = harness.Run(args, "opid", d, args.updates)
         r.close()
-    assert rows_of(tmp_path) == [{"update": 0, "x": 0.5}, {"update": 1, "x": 1.5}]
+    assert strict_rows_of(tmp_path) == [{"update": 0, "x": 0.5}, {"update": 1, "x": 1.5}]
     assert r.start == 2 and r.state == str(tmp_path / "update2")
 
 
@@ -305,6 +305,53 @@ def test_compare_prints_one_row_per_run(two_runs):
         assert cells[-2] == f"{mean_total:.2f}"
 
 
+def test_an_undocumented_metric_key_fails_the_tests_that_read_rows(tmp_path):
+    """conftest.rows_of, which every test of a real run's rows goes through, checks each key against docs/metrics.md
+    (issue 41): a placeholder row covers any task family; a key the docs do not list fails."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"update": 0, "eval/success/look_at_obj_in_light": 0.5,
+                                                        "losses/total": 0.1}) + "\n")
+    assert rows_of(tmp_path)[0]["update"] == 0
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"update": 0, "losses/made_up": 1.0}) + "\n")
+    with pytest.raises(AssertionError, match=r"keys missing from docs/metrics.md: \['losses/made_up'\]"):
+        rows_of(tmp_path)
+
+
+def test_plot_and_compare_stay_readable_with_six_runs(tmp_path, capsys):
+    """Issue 41: with 6 runs the legends (`opid model=/root/.cache/... log_samples=4 threads=1 micro_batch=8 ...`)
+    covered the panels, one eval point made an x axis from 1.9 to 2.1, `-o curves.png` landed in the working
+    directory and `compare` printed 20 columns. Runs written by hand: labels name only the settings that differ (no
+    operational flags, paths by their last part), one legend for the figure, x from 0, the PNG beside the runs."""
+    pytest.importorskip("matplotlib", reason="pip install matplotlib")
+    base = dict(method="opid", model="tiny", lr=1e-6, threads=None, log_samples=0, micro_batch=16, seed=0)
+    runs = {"a": dict(base, model="/root/.cache/skill-sd/SmolLM2-135M-Instruct", log_samples=4, threads=1),
+            "b": dict(base, lr=3e-6, micro_batch=8), "c": dict(base), "d": dict(base, method="seed"),
+            "e": dict(base, method="seed", seed=1), "f": dict(base, method="grsd")}
+    for name, args in runs.items():
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "args.json").write_text(json.dumps(args))
+        rows = [{"update": u, "charts/success_rate": 0.1 * u, "losses/total": 0.5, "time/total": 2.0 + u,
+                 "time/rollout": 1.0, "eval/success": 0.2, "eval/success/clean": 0.2}
+                for u in range(1 if name == "f" else 2)]
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dirs = [str(tmp_path / "runs" / n) for n in runs]
+    labels = plot.run_labels([plot.read_run(d) for d in dirs], dirs)
+    assert labels == ["opid model=SmolLM2-135M-Instruct lr=1e-06", "opid model=tiny lr=3e-06",
+                      "opid model=tiny lr=1e-06", "seed seed=0", "seed seed=1", "grsd"]
+    plot.cli(["plot", *dirs])
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'runs' / 'curves.png'}"
+    assert (tmp_path / "runs" / "curves.png").stat().st_size > 10_000 and not (Path.cwd() / "curves.png").exists()
+    fig = plot.plot_runs(dirs, str(tmp_path / "one.png"))
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == labels and all(ax.get_legend() is None
+                                                                                 for ax in fig.axes)
+    assert all(ax.get_xlim() == (0.0, 2.5) for ax in fig.axes)
+    plot.cli(["compare", *dirs])
+    short = capsys.readouterr().out.splitlines()
+    assert short[0] == "| run | updates | final eval | best eval | s/update | × first |" and len(short) == 8
+    assert short[2] == "| opid model=SmolLM2-135M-Instruct lr=1e-06 | 2 | 0.200 | 0.200 | 2.50 | 1.00× |"
+    plot.cli(["compare", "--all", *dirs])
+    assert capsys.readouterr().out.splitlines()[0].endswith("| clean | s/update rollout | s/update | × first |")
+
+
 # ------------------------------------------------------------------------------------------------ the CLI
 
 def test_cli_refuses_abbreviations_and_unknown_choices_before_loading(monkeypatch, capsys):
@@ -358,12 +405,69 @@ def test_any_model_on_household_gets_the_laptop_preset_and_the_benchmarks_the_pa
 
 
 @pytest.mark.parametrize("tracker", ["wandb", "trackio"])
-def test_a_tracker_without_its_package_is_named(tracker, tmp_path):
+def test_a_tracker_without_its_package_is_named(tracker, tmp_path, monkeypatch):
     import opid
-    if importlib.util.find_spec(tracker):
-        pytest.skip(f"{tracker} is installed here")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else real(name, *a))
     with pytest.raises(SystemExit, match=f"--track {tracker} needs the {tracker} package: pip install {tracker}"):
         opid.resolve(opid.Args(out_dir=str(tmp_path), track=tracker))
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history records of an offline W&B run file (`run-<id>.wandb`): a LevelDB-style log (7-byte header, 32 KiB
+    blocks of [crc32c 4, length 2, type 1] chunks, 1 full / 2 first / 3 middle / 4 last) of wandb Record protobufs."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    data, pos, part, out = run_file.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == kind == 0:
+            break
+        part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            part = b""
+            if record.WhichOneof("record_type") == "history":
+                out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return out
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio"])
+def test_a_run_sends_every_row_to_its_tracker(tracker, tmp_path, monkeypatch):
+    """Issue 41: `--track wandb` (offline: no account, no network) and `--track trackio` (a local SQLite store),
+    executed through harness.Run as a run logs: each update's scalars arrive at step update + 1, read back from the
+    tracker's own files; the stage-1 row and a text value are not sent as scalars."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is imported
+    pytest.importorskip(tracker, reason=f"pip install {tracker} (.ci/run installs it)")
+    import seed
+    import uuid
+    out = tmp_path / f"run-{uuid.uuid4().hex[:8]}"  # the tracker's run name: seed:<this folder's name>
+    args = seed.resolve(seed.Args(out_dir=str(out), updates=2, track=tracker))
+    rows = [{"update": 0, "charts/success_rate": 0.25, "losses/total": 1.5e-5, "note": "text"},
+            {"update": 1, "charts/success_rate": 0.5, "losses/total": 0.125}]
+    with one_rank() as d:
+        r = harness.Run(args, "seed", d, args.updates)
+        for row in rows:
+            r.log(dict(row))
+        r.close()
+    if tracker == "wandb":
+        (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+        got = [{k: h[k] for k in ("_step", "update", "charts/success_rate", "losses/total")}
+               for h in wandb_history(run_file)]
+    else:
+        import sqlite3
+        from trackio.utils import TRACKIO_DIR  # TRACKIO_DIR above, unless trackio was imported before this test
+        with sqlite3.connect(Path(TRACKIO_DIR) / f"{harness.PROJECT}.db") as db:
+            query = "select step, metrics from metrics where run_name = ? order by step"
+            got = [{"_step": step, **{k: v for k, v in json.loads(m).items() if not k.startswith("_")}}
+                   for step, m in db.execute(query, (f"seed:{out.name}",))]
+    assert got == [{"_step": row["update"] + 1, **{k: v for k, v in row.items() if k != "note"}} for row in rows]
 
 
 @pytest.mark.slow

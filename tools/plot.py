@@ -1,6 +1,6 @@
 """Curves and comparison tables from runs' metrics files (matplotlib only for `plot`):
-  python tools/plot.py plot RUN_DIR... -o curves.png
-  python tools/plot.py compare RUN_DIR...
+  python tools/plot.py plot RUN_DIR...       # curves.png next to the runs (-o to choose)
+  python tools/plot.py compare RUN_DIR...    # eval success and time per update (--all: per family and phase)
 """
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import os
 
 SIGNAL = {"seed": ("opd/gate_mean", "OPD gate mean"), "opid": ("adv/skill_share", "skill-advantage share"),
           "grsd": ("grsd/weight_range", "turn-weight range")}  # each method's own signal, one line per run
-LABEL_SKIP = {"method", "run_id", "out_dir", "resume", "overwrite", "track", "eval_only"}
+# Settings that never name a run in a legend: bookkeeping and operational flags (speed, memory, I/O), not what trains
+LABEL_SKIP = {"method", "run_id", "out_dir", "resume", "overwrite", "track", "eval_only", "threads", "log_samples",
+              "micro_batch", "micro_batch_tokens", "save_every", "grad_ckpt", "endpoint_timeout", "endpoint_retries",
+              "endpoint_workers", "require_endpoint", "cpu_kv_cache_gb", "gpu_memory_utilization", "max_skipped_steps"}
+LABEL_SHOWN = 3  # settings per label; more become "+k"
 
 
 def read_run(run_dir: str) -> tuple[dict, list[dict]]:
@@ -34,60 +38,84 @@ def read_run(run_dir: str) -> tuple[dict, list[dict]]:
 
 
 def run_labels(runs: list[tuple[dict, list[dict]]], dirs: list[str]) -> list[str]:
-    """The method, plus the args in which a run differs from the other runs of the same method."""
+    """Short legend labels: the method, then the settings in which its runs differ (paths by their last part, at most
+    LABEL_SHOWN of them, operational flags never); runs whose labels still tie get their folder's name."""
+    def short(v):
+        text = os.path.basename(v.rstrip("/")) if isinstance(v, str) and os.sep in v else json.dumps(v).strip('"')
+        return text if len(text) <= 24 else text[:23] + "…"
     labels = []
     for args, _ in runs:
-        peers = [a for a, _ in runs if a.get("method") == args.get("method")]
+        peers = [a for a, _ in runs if a.get("method") == args.get("method")]  # a method's runs differ in what?
         diff = [k for k in args if k not in LABEL_SKIP and len({json.dumps(a.get(k)) for a in peers}) > 1]
-        labels.append(" ".join([args.get("method", "?")] + [f"{k}={args[k]}" for k in diff]))
+        shown = [f"{k}={short(args[k])}" for k in diff]
+        shown = shown[:LABEL_SHOWN] + ([f"+{len(shown) - LABEL_SHOWN}"] if len(shown) > LABEL_SHOWN else [])
+        labels.append(" ".join([args.get("method", "?")] + shown))
     return [f"{lab} ({os.path.basename(os.path.abspath(d))})" if labels.count(lab) > 1 else lab
             for lab, d in zip(labels, dirs)]
 
 
+def default_png(run_dirs: list[str]) -> str:
+    """curves.png next to the runs: inside a single run's folder, else in the folder the runs share."""
+    dirs = [os.path.abspath(r) for r in run_dirs]
+    return os.path.join(dirs[0] if len(dirs) == 1 else os.path.commonpath(dirs), "curves.png")
+
+
 def plot_runs(run_dirs: list[str], out: str):
-    """Training success, eval success, total loss, the method's own signal, invalid-action rate and response length
-    per update, one line per run (an --eval_only run: a dashed level in the eval panel). Imports matplotlib."""
+    """Training success, eval success, total loss, each method's own signal, invalid-action rate and response length
+    per update, one line per run in one colour across the panels, one legend below them (an --eval_only run: a dashed
+    level in the eval panel). Imports matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = [read_run(r) for r in run_dirs]
-    fig, axes = plt.subplots(3, 2, figsize=(11, 10))
+    labels = run_labels(runs, run_dirs)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
+    signals = sorted({SIGNAL[a["method"]][1] for a, _ in runs if a.get("method") in SIGNAL})
     panels = [("charts/success_rate", "training success rate"), ("eval/success", "eval success (all episodes)"),
-              ("losses/total", "total loss"), (None, "method signal"),
+              ("losses/total", "total loss"), (None, "method signal\n" + (", ".join(signals) or "none")),
               ("charts/invalid_action_rate", "training invalid-action rate"),
               ("charts/response_tokens", "training response tokens per turn")]
+    last = max([r["update"] + 1 for _, rows in runs for r in rows if "update" in r] or [1])
     for ax, (key, title) in zip(axes.flat, panels):
-        for (args, rows), label in zip(runs, run_labels(runs, run_dirs)):
-            k, what = (key, "") if key else SIGNAL.get(args.get("method"), (None, ""))
+        for i, ((args, rows), label) in enumerate(zip(runs, labels)):
+            k = key or SIGNAL.get(args.get("method"), (None,))[0]
             pts = [(r["update"] + 1, r[k]) for r in rows if "update" in r and k in r]
             level = [r[k] for r in rows if r.get("eval_only") and k in r]
             if pts:
-                ax.plot(*zip(*pts), marker="o" if k.startswith("eval") else None, ms=3,
-                        label=f"{label}: {what}" if what else label)
+                ax.plot(*zip(*pts), color=f"C{i % 10}", marker="o" if len(pts) < 30 else None, ms=3, label=label)
             elif level:
-                ax.axhline(level[-1], ls="--", color="gray", label=f"{label} (eval-only)")
-        ax.set(title=title, xlabel="updates done")
+                ax.axhline(level[-1], ls="--", color=f"C{i % 10}", label=f"{label} (eval-only)")
+        ax.set(title=title)
+        ax.set_xlim(0, last + 0.5)  # from the start, so one point is not a whole axis from 1.9 to 2.1
         ax.xaxis.get_major_locator().set_params(integer=True)  # updates are whole numbers (not 1.2, 1.4)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    for ax in axes[-1]:
+        ax.set_xlabel("updates done")
+    handles = {}
+    for ax in axes.flat:
+        handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+    columns = 1 if max(map(len, handles), default=0) > 50 else 2 if max(map(len, handles), default=0) > 25 else 3
+    rows_of_legend = -(-len(handles) // columns)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=columns, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.025 * rows_of_legend + 0.01, 1, 1))
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return fig
 
 
-def compare_runs(run_dirs: list[str]) -> str:
-    """A markdown table: final / best eval success, per-family success at the final eval, mean seconds per update
-    by phase (amortised over all updates: eval and save happen every k), and each run's time per update as a
-    multiple of the first run's."""
+def compare_runs(run_dirs: list[str], every_column: bool = False) -> str:
+    """A markdown table: final / best eval success, mean seconds per update and its multiple of the first run's;
+    with every_column, also the per-family success at the final eval and the seconds per update by phase (amortised
+    over all updates: eval and save happen every k)."""
     runs = [read_run(r) for r in run_dirs]
     evals = [[r for r in rows if "eval/success" in r] for _, rows in runs]
     train = [[r for r in rows if "update" in r] for _, rows in runs]
     fams = sorted({k for ev in evals for k in (ev[-1] if ev else {}) if k.startswith("eval/success/")})
     phases = sorted({k for tr in train for r in tr for k in r if k.startswith("time/") and k != "time/total"})
+    fams, phases = (fams, phases) if every_column else ([], [])
     mean = lambda rows, k: sum(r.get(k, 0.0) for r in rows) / len(rows) if rows else float("nan")  # noqa: E731
     base = mean(train[0], "time/total")
     head = (["run", "updates", "final eval", "best eval"] + [f.split("/")[-1] for f in fams]
-            + [f"s/update {p.split('/')[-1]}" for p in phases] + ["s/update total", "× first"])
+            + [f"s/update {p.split('/')[-1]}" for p in phases] + ["s/update", "× first"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, ev, tr in zip(run_labels(runs, run_dirs), evals, train):
         last = ev[-1] if ev else {}
@@ -107,18 +135,20 @@ def cli(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     plot = sub.add_parser("plot", help="PNG of the curves, one line per run")
     plot.add_argument("runs", nargs="+", help="run directories (each with args.json and metrics.jsonl)")
-    plot.add_argument("-o", "--out", default="curves.png", help="PNG to write [default: curves.png]")
+    plot.add_argument("-o", "--out", help="PNG to write [default: curves.png next to the runs]")
     comp = sub.add_parser("compare", help="markdown table of eval success and seconds per update")
     comp.add_argument("runs", nargs="+", help="run directories (each with args.json and metrics.jsonl)")
+    comp.add_argument("--all", action="store_true", help="also per-family success and seconds per update by phase")
     a = p.parse_args(argv)
     for r in a.runs:
         if not os.path.isfile(os.path.join(r, "metrics.jsonl")):
             raise SystemExit(f"{r}: no metrics.jsonl (not a run directory)")
     if a.cmd == "plot":
-        plot_runs(a.runs, a.out)
-        print(f"wrote {a.out}")
+        out = a.out or default_png(a.runs)
+        plot_runs(a.runs, out)
+        print(f"wrote {out}")
     else:
-        print(compare_runs(a.runs))
+        print(compare_runs(a.runs, a.all))
 
 
 if __name__ == "__main__":
