@@ -443,6 +443,7 @@ def test_learning_regime_plan_flags_and_sample_efficiency_by_hand(monkeypatch):
     monkeypatch.setattr(E, "LEARN_PICK", "t04-g8-kl01-lr3e-5")
     assert E.job_budget(b, "grpo-s0") is b and E.job_budget(b, "learn-opid-s3") == E.job_budget(b, "curve-grpo-s0")
     assert E.job_budget(b, "learn-grpo-s1").temperature == 0.4
+    assert E.job_budget(b, "learn-grpo-s1").eval_every == E.LEARN_DEV["t04-g8-kl01-lr3e-5"]["updates"]  # once, at the end
     small = E.job_budget(b, "learn-grpo-s0", smoke=True)
     assert (small.updates, small.group_size, small.lr) == (1, 2, E.LEARN_DEV[E.LEARN_PICK]["lr"])
     plan = [n for n, *_ in E.planned_runs(b, "learn", 1e-4, [])]

@@ -898,7 +898,10 @@ LEARN_DEV = {
     "t07-g8-kl01-lr5e-5-u16": dict(G8, updates=16, eval_every=8, lr=5e-5, temperature=0.7),  # a whole 30-min run
 }
 LEARN_CONFIRM = ("t07-g8-kl01-lr5e-5-u16",)  # candidates that gained on the first dev layout, re-run on the second
-LEARN_PICK = None  # the candidate frozen for `learn` and `curve`: none yet (docs/experiment.md, "The learning regime")
+# Frozen after its gain held on both dev layouts (+8.3 points on 100, +10.0 on 101; docs/experiment.md). Its learn and
+# curve runs evaluate once, after the last update (no evaluation at update 8): evaluation samples from its own stream
+# (common.evaluate), so training is unchanged, and the run fits 30 minutes on 2 cores.
+LEARN_PICK = "t07-g8-kl01-lr5e-5-u16"
 SMOKE_SIZE = dict(updates=1, eval_every=1, tasks_per_update=2, group_size=2)  # --smoke: the regime's flags, 1 update
 
 
@@ -911,7 +914,7 @@ def job_budget(b: Budget, name: str, smoke: bool = False) -> Budget:
         if LEARN_PICK is None:
             raise SystemExit("[experiment] no learning regime is frozen yet (LEARN_PICK): the dev probes found none "
                              "where GRPO learns (docs/experiment.md, 'The learning regime')")
-        over = LEARN_DEV[LEARN_PICK]
+        over = dict(LEARN_DEV[LEARN_PICK], eval_every=LEARN_DEV[LEARN_PICK]["updates"])
     else:
         return b
     return dataclasses.replace(b, **{**over, **(SMOKE_SIZE if smoke else {})})
