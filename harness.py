@@ -1099,8 +1099,8 @@ class RunArgs:
     seed: int = arg(0, "random seed")
     log_samples: int = arg(0, "per update, write this many sampled turns and analyses / reflections / judge replies / "
                                "guidance of each kind to out_dir/samples.jsonl")
-    threads: int | None = arg(None, "torch CPU threads per process (default: torch's, one per core; on a busy or "
-                                    "small machine 1 can be several times faster)")
+    threads: int | None = arg(None, "torch CPU threads per process (default: half the cores this process may use, "
+                                    "at least 1; torch's own when OMP_NUM_THREADS is set, as torchrun sets it)")
     max_skipped_steps: int = arg(3, "optimizer steps in a row skipped for a non-finite gradient norm (NaN/inf loss "
                                     "or gradient) that stop the run")
     lr_warmup: int = arg(0, "updates of linear lr warm-up: update u trains at lr·min(1, (u+1)/k) (0: the constant lr "
@@ -1139,8 +1139,7 @@ class RunArgs:
 def run_main(main, args):
     """A method's entry point: main(args) on --threads torch threads, with Ctrl-C (SIGINT: every torchrun rank gets it) ending in one line on
     rank 0 that names the last complete checkpoint, instead of a traceback per rank."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or default_threads())
     try:
         main(args)
     except KeyboardInterrupt:
@@ -1153,6 +1152,16 @@ def run_main(main, args):
     except BaseException:  # a one-line refusal (SystemExit) or a traceback: it is the last line, below the bar
         close_bars()
         raise
+
+
+def default_threads() -> int:
+    """--threads' default. Torch's own (one per core) spins its OpenMP threads, so a second process on the same cores
+    makes every run several times slower. On 2 cores (tiny model, `python opid.py`): 2 threads ran 1.2-1.3× faster
+    than 1 on an idle machine, and 2.5-3.6× slower while another 2-thread run shared the cores. Half the cores keeps
+    most of the idle speed and room for a neighbour. OMP_NUM_THREADS, when set (torchrun sets 1 per rank), wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def close_bars():

@@ -372,6 +372,28 @@ class HFEngine:
         """Nothing to tear down (see VLLMEngine.close)."""
 
 
+# vLLM-on-CPU start-up notices that ask nothing of the user (eager mode and the RNG are this file's choices; the
+# preload libraries only speed vLLM's own kernels): ~15 lines a run before (issue 41). Any other warning still shows.
+CPU_NOTICES = ("global random seed is set", "Enforce eager set", "Inductor compilation was disabled",
+               "Triton is not installed", "Reset SSM cache type", "Model Runner V2 requires Triton",
+               "is not found in LD_PRELOAD", "doesn't allow to use `torch.set_num_threads`",
+               "tiny-vllm-")  # (the in-process tiny model's directory: its tied-embeddings note)
+
+
+def quiet_cpu_notices():
+    """A filter on vLLM's log handler. vLLM (re)builds its handler from DEFAULT_LOGGING_CONFIG when the engine starts
+    (dictConfig), so the filter goes into that config (vllm 0.32's vllm/logger.py), not onto today's handler."""
+    import logging
+    import vllm.logger
+
+    class DropNotices(logging.Filter):
+        def filter(self, record):
+            return not any(n in record.getMessage() for n in CPU_NOTICES)
+    config = vllm.logger.DEFAULT_LOGGING_CONFIG
+    config.setdefault("filters", {})["cpu_notices"] = {"()": DropNotices}
+    config["handlers"]["vllm"]["filters"] = ["cpu_notices"]
+
+
 class VLLMEngine(HFEngine):
     """θ_old served by vLLM inside this rank's process (docs/engines.md). Same contract as HFEngine; differences:
       * one engine per rank with distributed_executor_backend="external_launcher" and TP = 1: vLLM joins the
@@ -397,7 +419,11 @@ class VLLMEngine(HFEngine):
         # KMP_BLOCKTIME in the environment wins.
         os.environ.setdefault("KMP_BLOCKTIME", "0")
         import tempfile
+        import warnings
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)  # vLLM's
         from vllm import LLM
+        if d.device.type == "cpu":
+            quiet_cpu_notices()
         self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
         self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
         self.generated = self.prompted = self.prompts = 0

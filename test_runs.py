@@ -555,6 +555,25 @@ def test_threads_sets_torch_threads_for_the_run():
         opid.resolve(opid.Args(threads=0))
 
 
+def test_the_default_threads_are_half_the_cores_unless_omp_num_threads_says(monkeypatch):
+    """Issue 41: torch's one thread per core ran `python opid.py` 2.5-3.6x slower while another run shared the 2 cores
+    (harness.default_threads). The default is half the usable cores; OMP_NUM_THREADS (torchrun's 1) wins."""
+    import opid
+    seen, before = [], torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    try:
+        harness.run_main(lambda a: seen.append(torch.get_num_threads()), opid.Args())
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        harness.run_main(lambda a: seen.append(torch.get_num_threads()), opid.Args())
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        harness.run_main(lambda a: seen.append(torch.get_num_threads()), opid.Args())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [4, 1, 3]
+
+
 def test_record_keeps_the_first_n_and_counts_every_capped_reply():
     harness.reset_samples(2)
     try:
