@@ -59,11 +59,15 @@ def d():
 
 
 @pytest.fixture(autouse=True)
-def scratch_cwd(tmp_path_factory, monkeypatch):
+def scratch_cwd(tmp_path_factory):
     """Hermetic tests: each test runs in an empty working directory of its own, so a default --out_dir
     (runs/<method>, relative) never meets the runs/ the README's Quick start leaves in the checkout, and nothing a
-    test writes lands there. Files of the checkout are read through HERE."""
-    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+    test writes lands there. Files of the checkout are read through HERE. (Not monkeypatch.chdir: a test's own
+    monkeypatch.undo() would take the test back to the checkout.)"""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(before)
 
 
 @pytest.fixture(scope="module")
