@@ -7,6 +7,7 @@ import gc
 import importlib
 import json
 import multiprocessing
+import os
 import re
 import shutil
 import socket
@@ -440,6 +441,24 @@ def test_an_unreachable_hub_fails_in_seconds_after_the_settings_line(tmp_path):
     assert "did not answer within 5 s" in res.stderr and "pass --model tiny" in res.stderr, res.stderr
     assert res.stdout.startswith("[seed] env alfworld, model Qwen/Qwen2.5-3B-Instruct, engine hf, updates 150")
     assert took < 25, took  # imports (~5-10 s on 2 busy cores) + the 5 s probe
+
+
+def test_a_cached_hub_model_loads_at_once_when_the_hub_does_not_answer(tmp_path, monkeypatch):
+    """The probe's other side: a hub that does not answer is not asked further, and a model the cache holds is
+    used (HF_HUB_OFFLINE unset); a model it does not hold stops in the one line naming --model tiny."""
+    import huggingface_hub.constants as hub_constants
+    from conftest import HUB_ID, offline_hub
+    cache = offline_hub(tmp_path)["HF_HUB_CACHE"]
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    asked = []
+    monkeypatch.setattr(models, "hub_unreachable", lambda name: asked.append(name) or "no answer (test)")
+    monkeypatch.setattr(models, "fetch_snapshot", lambda name, offline, real=models.fetch_snapshot:
+                        real(name, offline) if offline else pytest.fail("asked the hub after no answer"))
+    path = models.resolve_model(HUB_ID)
+    assert asked == [HUB_ID] and path.startswith(cache) and os.path.isfile(os.path.join(path, "config.json"))
+    with pytest.raises(SystemExit, match=r"no answer \(test\)\); pass --model tiny"):
+        models.resolve_model("nobody/nothing")
 
 
 @pytest.mark.parametrize("hub_id", ["gpt2", "Qwen/Qwen2.5-3B-Instruct"])
