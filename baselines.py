@@ -1,16 +1,24 @@
-"""The Table 1 baselines that run on SEED's machinery, as `python seed.py FLAGS` (recipes: docs/baselines.md).
+"""The Table 1 baselines, each a recipe on SEED's machinery without its stage 1 (docs/baselines.md).
+
+Run:
+  python baselines.py --method sdar                        # SDAR on the embedded household env + tiny model, CPU
+  torchrun --nproc_per_node 8 baselines.py --method rlsd --env alfworld --data_dir /path/to/alfworld
+  python baselines.py --method skill_grpo                  # trains with the skill, evaluates without it (runs/skill_grpo)
+  python baselines.py --method skill_prompt --model runs/skill_grpo/final   # Skill-GRPO*: that run, evaluated with it
+--method picks the row (RECIPES); every flag the recipe sets can still be given (e.g. --lambda_opd 0.02).
 
 Sources: SEED App. B.2, OPID App. B.2, GRSD §4.1; where they are short, the official SDAR code (ZJU-REAL/SDAR, a
-verl-agent fork that implements OPSD, GRPO+OPSD, Skill-SD, RLSD and SDAR). seed.py's main() calls baseline_update
-instead of seed.seed_update when --teacher_params old; everything else (rollout, samples, checkpoints) is seed.py's.
+verl-agent fork that implements OPSD, GRPO+OPSD, Skill-SD, RLSD and SDAR). The loop below is seed.py's stage 2
+(rollout, samples, checkpoints: imported from seed.py); the update is seed.seed_update for the rows without a
+teacher and baseline_update for those with one.
 
-ℓ_T is the log-prob of the sampled token with a retrieved library skill in the context (--skill_source library),
-ℓ_old that of θ_old, sg a stop-gradient:
-  Vanilla      the backbone, no training (--eval_only).
-  Skill-Prompt* Vanilla with the retrieved skill in the agent's context at evaluation (--eval_only --eval_with_skills).
-  GRPO         L_rl only (--skip_sft --lambda_opd 0).
+ℓ_T is the log-prob of the sampled token with a retrieved library skill in the context, ℓ_old that of θ_old, sg a
+stop-gradient:
+  Vanilla      the backbone, no training (--method vanilla: --eval_only).
+  Skill-Prompt* Vanilla with the retrieved skill in the agent's context at evaluation (--method skill_prompt).
+  GRPO         L_rl only (--method grpo).
   Skill-GRPO   GRPO with the retrieved skill in the policy's own context in rollouts and updates, evaluated
-               without it (--train_with_skills); Skill-GRPO* evaluates that run's weights with it (--eval_with_skills).
+               without it (--method skill_grpo); Skill-GRPO* evaluates that run's weights with it (skill_prompt).
   OPSD         no RL term: λ · token-mean[σ(β sg Δ)(sg ℓ_T − ℓ_θ)] + β_KL KL, λ 0.01, β 5 (--pg_coef 0). The SDAR
                code's variant (examples/opsd_trainer: "SDAR without GRPO loss"), not Zhao et al.'s full-vocabulary
                JSD, whose numbers the tables do not report.
@@ -22,16 +30,18 @@ instead of seed.seed_update when --teacher_params old; everything else (rollout,
                λ_t = 0.5 (1 − t/100) for update t = 1, 2, … then 0 (SDAR code compute_rlsd_token_advantage,
                examples/rlsd_trainer; --rlsd_lambda 0.5).
   SDAR         L_rl + λ · token-mean[σ(β sg Δ)(sg ℓ_T − ℓ_θ)], λ 0.01, β 5: Eq. (1) with a static skill library, no
-               stage 1, the teacher scored once per update with θ_old (--teacher_params old).
+               stage 1, the teacher scored once per update with θ_old.
   Every skill baseline's teacher is θ_old with a library skill, scored once per update before the mini-batches, as
   in the SDAR code (RLSDRayTrainer._compute_teacher_log_probs); SEED's teacher is the current θ (Alg. 1 l.22).
-  Vanilla, Skill-Prompt*, GRPO and Skill-GRPO have no teacher: they run seed.seed_update (λ_opd = 0).
 
 Deviations / choices:
   * The SDAR code also adds an entropy bonus (0.001) and a dual clip (c = 3) to every baseline's RL term (verl
     defaults); none of our three papers states them and this file has neither.
   * SDAR prepends the raw skill text; H here puts it under a one-line header (seed.LIBRARY_HEADER) before the agent
     prompt, as for SEED's own skills.
+  * The library defaults to skills/alfworld.jsonl (household, alfworld) or skills/search.jsonl (search): short
+    hand-written libraries of ours, not SDAR's files; WebShop has none (--skill_library FILE).
+  * The other settings are SEED's Table 5 values (seed.PAPER without stage 1), as the papers' shared rows use.
 """
 from __future__ import annotations
 
@@ -39,12 +49,122 @@ import json
 import math
 import os
 import random
+import time
+from dataclasses import dataclass
 
 import torch
 
 import common as C
 import harness
-import seed as S  # SEED's equations (grpo_loss, opd_loss), samples and skill context; used at call time
+import models
+import seed as S  # SEED's equations (grpo_loss, opd_loss), samples, skill context and its stage-2 helpers
+from harness import arg
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DISTILL = ("opd", "sdl")
+# --method: the Table 1 row -> the flags it sets (a flag given on the command line wins); None-default fields the
+# recipe leaves open get NO_RECIPE's value
+RECIPES = {
+    "vanilla": dict(eval_only=True),
+    "skill_prompt": dict(eval_only=True, eval_with_skills=True),
+    "grpo": dict(lambda_opd=0.0),
+    "skill_grpo": dict(lambda_opd=0.0, train_with_skills=True),
+    "opsd": dict(pg_coef=0.0),
+    "grpo_opsd": dict(beta_opd=0.0),
+    "skill_sd": dict(distill="sdl", lambda_opd=0.001),
+    "rlsd": dict(lambda_opd=0.0, rlsd_lambda=0.5),
+    "sdar": dict(),
+}
+NO_RECIPE = dict(lambda_opd=0.01, beta_opd=5.0, pg_coef=1.0, distill="opd", rlsd_lambda=0.0, train_with_skills=False,
+                 eval_with_skills=False)
+LIBRARIES = {"household": "skills/alfworld.jsonl", "alfworld": "skills/alfworld.jsonl", "search": "skills/search.jsonl"}
+
+
+@dataclass
+class Args(harness.RunArgs):
+    """A Table 1 baseline (docs/baselines.md): SEED's Table 5 defaults without stage 1; fields left at None take the
+    recipe's value (--method), the per-env paper value, or the tiny preset."""
+    method: str = arg("sdar", "the Table 1 row (RECIPES): vanilla, skill_prompt, grpo, skill_grpo, opsd, grpo_opsd, "
+                              "skill_sd, rlsd or sdar", tuple(RECIPES))
+    out_dir: str | None = arg(None, "metrics.jsonl and checkpoints go here (default: runs/<method>)", ops=True)
+    skill_library: str | None = arg(None, "JSONL of {'skill': text, 'family': task family (absent: every task)} "
+                                           "records (default: skills/alfworld.jsonl for household and alfworld, "
+                                           "skills/search.jsonl for search), or a SEED run's stage1/skills.jsonl")
+    # The recipe's terms (None: the recipe's value)
+    lambda_opd: float | None = arg(None, "λ of the distillation term (SDAR, OPSD, GRPO+OPSD 0.01; Skill-SD 0.001; "
+                                         "else 0)")
+    beta_opd: float | None = arg(None, "gate sharpness β (5; GRPO+OPSD 0)")
+    pg_coef: float | None = arg(None, "weight of the clipped GRPO term of L_rl (OPSD 0, else 1)")
+    distill: str | None = arg(None, "distillation term: opd (SEED Eq. 1, gated) or sdl (Skill-SD: ρ-weighted k3)",
+                              DISTILL)
+    rlsd_lambda: float | None = arg(None, "RLSD λ_0: teacher-weighted token advantages (RLSD 0.5 as the SDAR code; "
+                                          "else 0)")
+    rlsd_warmdown: int = arg(100, "RLSD W: λ_t = λ_0 (1 − t/W) at update t = 1, 2, …, 0 from t = W on")
+    rlsd_clip: float = arg(0.2, "RLSD ε_w: w_t clipped to [1 − ε_w, 1 + ε_w]")
+    train_with_skills: bool | None = arg(None, "the retrieved skill in the policy's own context in rollouts and "
+                                               "updates (Skill-GRPO)")
+    eval_with_skills: bool | None = arg(None, "validate with the retrieved skill in the policy's context "
+                                              "(Skill-Prompt*, Skill-GRPO*)")
+    skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection", at_least=1)
+    # GRPO (SEED Table 5)
+    updates: int | None = arg(None, "policy updates (paper 150)", at_least=1)
+    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)", at_least=1)
+    group_size: int | None = arg(None, "N rollouts per task (paper 8; group-relative advantages compare N ≥ 2)",
+                                 at_least=2)
+    lr: float = arg(1e-6, "learning rate (paper 1e-6)", above=0)
+    weight_decay: float = arg(0.01, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient clipping", above=0)
+    clip_eps: float = arg(0.2, "PPO clip ε_clip (paper 0.2)", above=0)
+    beta_kl: float = arg(0.01, "KL coefficient β_KL (paper 0.01)")
+    adv_eps: float = arg(1e-6, "ε in (R − μ)/(σ + ε)")
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+                                at_least=1)
+    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)", at_least=1)
+    eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
+
+
+STAGE1 = ("sft_tasks", "sft_rollouts", "annotator_max_tokens")
+PAPER = {env: {k: v for k, v in p.items() if k not in STAGE1} for env, p in S.PAPER.items()}
+LAPTOP = {k: v for k, v in S.LAPTOP.items() if k not in STAGE1}
+
+
+def has_teacher(args) -> bool:
+    """The rows that score ℓ_T (baseline_update): a distillation term or RLSD's weights."""
+    return args.lambda_opd > 0 or args.rlsd_lambda > 0
+
+
+def resolve(args: Args) -> Args:
+    harness.check_choices(args, Args)
+    for k, v in {**NO_RECIPE, **RECIPES[args.method]}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if RECIPES[args.method].get("eval_only"):
+        args.eval_only = True
+    args.out_dir = args.out_dir or f"runs/{args.method}"
+    if args.model is None:
+        args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
+    preset = LAPTOP if args.model == "tiny" or args.env == "household" else PAPER[args.env]
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.max_steps is None:  # only the laptop preset leaves it open: at most 6 steps per episode
+        args.max_steps = min(6, PAPER[args.env]["max_steps"])
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available()
+    if args.grad_ckpt is None:
+        args.grad_ckpt = torch.cuda.is_available()
+    uses_library = has_teacher(args) or args.train_with_skills or args.eval_with_skills
+    if uses_library and args.skill_library is None:
+        if args.env not in LIBRARIES:
+            raise SystemExit(f"--method {args.method} retrieves library skills and skills/ has none for --env "
+                             f"{args.env}: pass --skill_library FILE")
+        args.skill_library = os.path.join(HERE, LIBRARIES[args.env])
+    if args.rlsd_lambda > 0 and args.lambda_opd > 0:
+        raise SystemExit("RLSD (--rlsd_lambda > 0) has no distillation loss: add --lambda_opd 0")
+    if args.pg_coef == 0 and args.lambda_opd == 0:
+        raise SystemExit("--pg_coef 0 with --lambda_opd 0 leaves only the KL term to train")
+    harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads
+    return args
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -199,3 +319,61 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
             **rlsd, **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
             "perf/teacher_tokens": harness.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
             "perf/teacher_seqs": harness.sample_count(taught, d)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The loop: seed.py's stage 2 with a library skill per task (no stage 1, no analyzer)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def main(args: Args):
+    args = resolve(args)
+    harness.show_settings(args, args.method)  # the first line, before anything loads
+    d = models.init_distributed(args.seed)
+    base = models.resolve_model(args.model)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
+    tok = models.load_tokenizer(base)
+    train_ids, make_train, evals = harness.task_envs(args)
+    library = load_library(args.skill_library) if args.skill_library else None
+    train_context = library_context(library, tok, args) if args.train_with_skills else None  # Skill-GRPO
+    eval_context = library_context(library, tok, args) if args.eval_with_skills else None  # Skill-Prompt*
+    if args.eval_only:  # Vanilla, Skill-Prompt*, Skill-GRPO*
+        return models.shutdown(harness.eval_only(args, args.method, d, base, tok, evals, args.max_prompt_len + args.max_response_len,
+                                                 eval_context))
+    run = harness.Run(args, args.method, d, args.updates)  # out_dir, metrics rows, --resume
+    engine = models.make_engine(args, base, tok, d, args.max_prompt_len + args.max_response_len)  # agent turns only
+    policy = models.shard(models.load_model(run.state or base, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
+    ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)  # π_ref: the backbone
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if run.state:
+        harness.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG
+
+    for update in range(run.start, args.updates):
+        C.set_lr(opt, args.lr, update, args.lr_warmup)
+        timer, t0, work = harness.Timer(), time.perf_counter(), harness.engine_work(engine)
+        with timer("sync"):
+            engine.sync(policy)                                                      # θ_old ← θ
+        tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)
+        with timer("rollout"):                                                       # G_q ~ π_θold
+            trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
+                                      args.max_response_len, args.temperature, args.top_p, train_context)
+        harness.record_turns(trajs, engine.stops)
+        with timer("analysis"):  # the teacher's skill: the task family's library record (none without a teacher)
+            skills = [retrieve_skill(library, tr.family) for tr in trajs] if has_teacher(args) else [None] * len(trajs)
+        samples, adv = S.build_samples(trajs, skills, tok, args, S.LIBRARY_HEADER)
+        engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
+        if has_teacher(args):
+            stats = baseline_update(policy, ref, opt, samples, args, d, timer, update)
+        else:  # GRPO, Skill-GRPO: L_rl alone, as SEED's update at λ_opd = 0
+            stats = S.seed_update(policy, ref, opt, samples, args, d, timer)
+        row = {"update": update, "stage": 2, **stats, **S.stage2_metrics(trajs, skills, adv, d)}
+        row.update(cstats.metrics(d, args.require_endpoint, args.env == "search"))
+        row.update(C.rollout_metrics(trajs, d))
+        row.update(harness.engine_metrics(engine, work, d))
+        row.update(harness.validate(update, args, engine, policy, evals, d, timer, eval_context))
+        run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
+    run.close()
+    models.shutdown(engine)
+
+
+if __name__ == "__main__":
+    harness.run_main(main, harness.parse_args(Args, PAPER, LAPTOP))

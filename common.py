@@ -549,6 +549,26 @@ def rank_slice(items: list, d: Dist) -> list:
     return items[d.rank::d.world]
 
 
+def group_index(trajs: list[Trajectory]) -> torch.Tensor:
+    """[T]: each trajectory's rank-local group as 0..G−1 (groups in sorted order), the key of every group statistic."""
+    groups = sorted({tr.group for tr in trajs})
+    return torch.tensor([groups.index(tr.group) for tr in trajs], dtype=torch.long)
+
+
+def by_group(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[T] -> [G, N]: row g holds group g's values in trajectory order (every group has N members; no group: [0, 0])."""
+    if len(group) == 0:
+        return values.reshape(0, 0)
+    return values[torch.sort(group, stable=True).indices].reshape(int(group.max()) + 1, -1)
+
+
+def from_groups(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[G, N] -> [T]: by_group's inverse, each value back at its trajectory."""
+    out = torch.empty(len(group), dtype=x.dtype)
+    out[torch.sort(group, stable=True).indices] = x.reshape(-1)
+    return out
+
+
 def set_lr(opt, lr: float, update: int, warmup: int) -> float:
     """The lr of update `update` (0-based): linear warm-up over `warmup` updates, then constant (warmup 0: constant,
     as the papers). A function of the update index alone, so a resumed run continues the same schedule."""

@@ -123,6 +123,81 @@ def parse_action(text, tags=("action",), admissible=None) -> tuple[str | None, b
     return (hit, True) if hit else (content[:300], False)
 
 
+# Lenient JSON in a model's reply (OPID's analyzer): fenced or bare, trailing commas, repeated keys, bounded work
+TRAILING_COMMA_RE = re.compile(r",(?=\s*[}\]])")  # a comma before } or ]
+# a closed string (kept) | a trailing comma (dropped) | a '"' that never closes, with what it would have enclosed
+REPAIR_RE = re.compile(r'("(?:\\.|[^"\\])*")|,(?=\s*[}\]])|"(?:\\.|[^"\\])*')
+
+
+def _first_wins(pairs):  # a repeated JSON key keeps its first value (Python's default keeps the last)
+    out = {}
+    for k, v in pairs:
+        out.setdefault(k, v)
+    return out
+
+
+def _repair(m: re.Match) -> str:
+    if m.group(1):  # a closed string: kept as is
+        return m.group(1)
+    if m.group() == ",":  # a comma before } or ]: dropped
+        return ""
+    return TRAILING_COMMA_RE.sub("", m.group())  # an unclosed '"' is an ordinary character: repair what follows it
+
+
+def drop_trailing_commas(text: str) -> str:
+    """Each ',' before '}' or ']' outside strings removed; a '"' that never closes is an ordinary character. Linear:
+    an unclosed '"' is matched together with the rest of its would-be string, so the scan never restarts inside it
+    (a regex that can only match closed strings retries from every '\\"' in there: quadratic)."""
+    return REPAIR_RE.sub(_repair, text) if TRAILING_COMMA_RE.search(text) else text
+
+
+def _decode(decoder, text: str, start: int) -> tuple[object, int]:
+    """(the JSON value at text[start:] or None, how many characters the decoder read)."""
+    try:
+        obj, end = decoder.raw_decode(text, start)
+        return obj, end - start
+    except ValueError as e:  # a JSONDecodeError says where it stopped; other ValueErrors (a 5000-digit int) do not
+        return None, getattr(e, "pos", len(text)) - start
+    except RecursionError:
+        return None, len(text) - start
+
+
+def find_json_object(text: str, wanted=lambda obj: obj if isinstance(obj, dict) else None,
+                     max_starts: int = 256) -> dict | None:
+    """The first JSON value in a model's reply that `wanted` accepts (it returns the dict to use, or None), else the
+    first JSON object at all: fenced blocks first, then the whole text, trying each '{' (bounded) as a start, as
+    written and then with trailing commas removed outside strings. Never raises. Linear time: decoding stops once it has read 4× the text (+64K characters) in
+    all; without that cap, k nested starts that all fail at the far end ('{"a":' * k + an unclosed list) would read
+    the text k times."""
+    decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
+    parts = text.split("```")
+    fenced = [p[4:] if p[:4].lower() == "json" else p for p in parts[1:16:2]]  # ```json … ``` blocks
+    first, budget = None, 4 * len(text) + 65536
+    for source in fenced + [text]:
+        repaired = drop_trailing_commas(source)
+        for candidate in (source, repaired) if repaired != source else (source,):
+            start = candidate.find("{")
+            for _ in range(max_starts):
+                if start < 0 or budget < 0:
+                    break
+                obj, read = _decode(decoder, candidate, start)
+                budget -= read
+                found = wanted(obj)
+                if found is not None:
+                    return found
+                first = first if first is not None or not isinstance(obj, dict) else obj
+                start = candidate.find("{", start + 1)
+    return first
+
+
+def clean_text(text) -> str | None:
+    """Whitespace-normalised text, or None (not a string, or empty); lone surrogates (e.g. a broken emoji escape)
+    become '?' so tokenizers accept it."""
+    if not isinstance(text, str):
+        return None
+    return " ".join(text.encode("utf-8", "replace").decode("utf-8").split()) or None
+
+
 def format_expert_response(action: str, env_name: str) -> str:
     """Wrap an action in the response format of env_name (search: a tagged action, else an answer)."""
     if env_name == "search":

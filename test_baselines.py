@@ -1,4 +1,4 @@
-"""The Table 1 baselines as seed.py flags (baselines.py, docs/baselines.md): each one's update on real expert
+"""The Table 1 baselines (`python baselines.py --method …`, docs/baselines.md): each one's update on real expert
 trajectories recomputed here from its written definition (< 1e-6 on the weights after one SGD step), the reductions
 that must hold exactly, the library retrieval and the skill in the policy's own context, and every command of the
 docs/baselines.md recipe table run end to end on the embedded env (1 update)."""
@@ -32,17 +32,20 @@ def batch(tok):
     return trajs, [baselines.retrieve_skill(lib, tr.family) for tr in trajs]
 
 
-def run_update(d, tok, batch, update=0, **kw):
-    """One update (baselines.baseline_update, or seed.seed_update for --teacher_params current) from the tiny weights with θ ← θ − clip(∇L) (SGD, lr 1), so the weights show the gradient."""
+def run_update(d, tok, batch, method=None, update=0, **kw):
+    """One update of a baseline's recipe (what baselines.main runs: baseline_update with a teacher, else
+    seed.seed_update), or with method None SEED's (seed.seed_update, the current-θ teacher), on the batch's library
+    skills, from the tiny weights with θ ← θ − clip(∇L) (SGD, lr 1), so the weights show the gradient."""
     kw = {"micro_batch": 64, **kw}  # one forward per pass, batched as independent_step does (float32 rounding)
-    args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, **kw))
+    args = baselines.resolve(baselines.Args(method=method, **kw)) if method else \
+        seed.resolve(seed.Args(skip_sft=True, **kw))
     trajs, skills = batch
-    samples, _ = seed.build_samples(trajs, skills, tok, args)
+    samples, _ = seed.build_samples(trajs, skills, tok, args, seed.LIBRARY_HEADER)
     policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=False)
     ref = models.shard(models.load_model("tiny", 0), d, bf16=False, trainable=False)
     random.seed(0)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    if args.teacher_params == "old":  # what seed.main runs for these flags
+    if method and baselines.has_teacher(args):
         row = baselines.baseline_update(policy, ref, opt, samples, args, d, harness.Timer(), update)
     else:
         row = seed.seed_update(policy, ref, opt, samples, args, d, harness.Timer())
@@ -100,9 +103,10 @@ def test_library_retrieval_and_teacher_context(tok, batch):
     # a stage-1 skills.jsonl: the family's successful skills come first
     stage1 = [{"family": "f", "won": False, "skill": "Avoid a."}, {"family": "f", "won": True, "skill": "Workflow: b."}]
     assert baselines.retrieve_skill(stage1, "f") == "Workflow: b.\nAvoid a."
-    args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY))
+    args = baselines.resolve(baselines.Args(method="sdar"))
+    assert args.skill_library == LIBRARY  # the household default
     trajs, skills = batch
-    samples, _ = seed.build_samples(trajs, skills, tok, args)
+    samples, _ = seed.build_samples(trajs, skills, tok, args, seed.LIBRARY_HEADER)
     turns = [(t, sk) for tr, sk in zip(trajs, skills) for t in tr.turns]
     for s, (turn, sk) in zip(samples, turns):
         assert s.teacher_ids == C.chat_ids(tok, seed.inject_skill(turn.prompt_text, sk, seed.LIBRARY_HEADER))
@@ -115,20 +119,36 @@ def test_bad_library_gives_a_clear_error(tmp_path):
     bad.write_text('{"family": "x", "skill": "ok fine"}\n{"family": "x"}\n')
     with pytest.raises(SystemExit, match="line 2"):
         baselines.load_library(str(bad))
-    with pytest.raises(SystemExit, match="go together"):
-        seed.resolve(seed.Args(skip_sft=True, skill_source="library"))
-    with pytest.raises(SystemExit, match="need --skill_source library"):
-        seed.resolve(seed.Args(skip_sft=True, train_with_skills=True))
-    with pytest.raises(SystemExit, match="RLSD"):
-        seed.resolve(seed.Args(skip_sft=True, lambda_opd=0, rlsd_lambda=0.5))
-    for flags in ({"pg_coef": 0.0}, {"distill": "sdl"}):  # a baseline's loss with SEED's current-θ teacher: refused
-        with pytest.raises(SystemExit, match="add --teacher_params old"):
-            seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, **flags))
+    with pytest.raises(SystemExit, match="skills/ has none for --env webshop: pass --skill_library FILE"):
+        baselines.resolve(baselines.Args(method="sdar", env="webshop"))
+    with pytest.raises(SystemExit, match="RLSD .* add --lambda_opd 0"):
+        baselines.resolve(baselines.Args(method="rlsd", lambda_opd=0.01))
+    with pytest.raises(SystemExit, match="leaves only the KL"):
+        baselines.resolve(baselines.Args(method="opsd", lambda_opd=0.0))
+    with pytest.raises(SystemExit, match="--skill_source must be one of on_policy, static"):  # seed.py: SEED only
+        seed.resolve(seed.Args(skill_source="library"))
+
+
+def test_each_recipe_sets_its_row_and_a_given_flag_wins():
+    """--method fills the None fields from RECIPES (over NO_RECIPE); a value given on the command line is kept."""
+    def got(method, **kw):
+        a = baselines.resolve(baselines.Args(method=method, **kw))
+        return (a.lambda_opd, a.beta_opd, a.pg_coef, a.distill, a.rlsd_lambda, a.train_with_skills,
+                a.eval_with_skills, a.eval_only, a.out_dir)
+    assert got("sdar") == (0.01, 5.0, 1.0, "opd", 0.0, False, False, False, "runs/sdar")
+    assert got("opsd") == (0.01, 5.0, 0.0, "opd", 0.0, False, False, False, "runs/opsd")
+    assert got("grpo_opsd")[:3] == (0.01, 0.0, 1.0)
+    assert got("skill_sd")[:4] == (0.001, 5.0, 1.0, "sdl")
+    assert got("rlsd")[:5] == (0.0, 5.0, 1.0, "opd", 0.5)
+    assert got("grpo")[0] == 0.0 and got("skill_grpo")[5] is True
+    assert got("vanilla")[5:8] == (False, False, True) and got("skill_prompt")[5:8] == (False, True, True)
+    assert got("sdar", lambda_opd=0.02, out_dir="x")[0] == 0.02 and got("sdar", out_dir="x")[-1] == "x"
+    assert not baselines.has_teacher(baselines.resolve(baselines.Args(method="grpo")))
 
 
 def test_sdar_matches_its_definition(d, tok, batch):
     """SDAR: L_rl + 0.01 · token-mean[σ(5 sg Δ)(sg ℓ_T − ℓ_θ)] with ℓ_T from θ_old and a library skill."""
-    row, got, samples = run_update(d, tok, batch, teacher_params="old")
+    row, got, samples = run_update(d, tok, batch, "sdar")
     assert sum(bool(s.teacher_ids) for s in samples) == len(samples)  # the library has a skill for every family
     assert max_diff(got, independent_step(samples, gated(5.0))) < 1e-6
     assert 0 < row["opd/gate_mean"] < 1 and row["opd/token_frac"] == 1.0
@@ -136,7 +156,7 @@ def test_sdar_matches_its_definition(d, tok, batch):
 
 def test_opsd_has_no_rl_term(d, tok, batch):
     """OPSD (SDAR code): 0.01 · gated OPD + 0.01 · KL, no policy-gradient term."""
-    row, got, samples = run_update(d, tok, batch, teacher_params="old", pg_coef=0.0)
+    row, got, samples = run_update(d, tok, batch, "opsd")
     assert max_diff(got, independent_step(samples, gated(5.0), pg_coef=0.0)) < 1e-6
     assert row["losses/pg"] != 0  # the surrogate is computed (and logged) but carries no weight
 
@@ -144,12 +164,12 @@ def test_opsd_has_no_rl_term(d, tok, batch):
 def test_grpo_plus_opsd_gate_is_one_half_and_ignores_the_teacher(d, tok, batch, tmp_path):
     """GRPO+OPSD = SDAR with β = 0: g ≡ 0.5, and the gradient of 0.5 (sg ℓ_T − ℓ_θ) is −0.5 ∇ℓ_θ whatever ℓ_T is,
     so another skill library gives bit-identical weights."""
-    row, got, samples = run_update(d, tok, batch, teacher_params="old", beta_opd=0.0)
+    row, got, samples = run_update(d, tok, batch, "grpo_opsd")
     assert row["opd/gate_mean"] == 0.5 and row["opd/gate_std"] == 0.0
     assert max_diff(got, independent_step(samples, gated(0.0))) < 1e-6
     trajs, _ = batch
     other = ["Avoid everything; " * k + "look twice." for k in range(1, len(trajs) + 1)]
-    _, got2, samples2 = run_update(d, tok, (trajs, other), teacher_params="old", beta_opd=0.0)
+    _, got2, samples2 = run_update(d, tok, (trajs, other), "grpo_opsd")
     assert samples2[0].teacher_ids != samples[0].teacher_ids
     assert all(torch.equal(got[k], got2[k]) for k in got)
 
@@ -160,7 +180,7 @@ def test_skill_sd_matches_its_definition(d, tok, batch):
         e = logp - teacher
         k3 = torch.exp(torch.minimum(-e, torch.tensor(20.0))) - 1 + e
         return 0.001 * (torch.exp(torch.minimum(logp - old, torch.tensor(10.0))) * k3 * mask * has).sum()
-    row, got, samples = run_update(d, tok, batch, teacher_params="old", distill="sdl", lambda_opd=0.001)
+    row, got, samples = run_update(d, tok, batch, "skill_sd")
     # 1.0e-6 measured, on the tied embedding only (its step is 0.09: float32 summation order, ρ·k3 reaches e^5)
     assert max_diff(got, independent_step(samples, sdl)) < 2e-6
     assert row["losses/opd"] > 0  # k3 ≥ 0, and the skill moves the teacher off the student
@@ -191,7 +211,7 @@ def test_sdl_loss_by_hand_including_its_clamps():
 def test_evaluate_uses_the_context(d, tok):
     """--eval_with_skills reaches the held-out episodes: evaluate hands every turn's prompt to the context."""
     lib = baselines.load_library(LIBRARY)
-    args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, eval_with_skills=True))
+    args = baselines.resolve(baselines.Args(method="skill_prompt"))
     ctx, seen = baselines.library_context(lib, tok, args), []
     engine = models.HFEngine(models.load_model("tiny", 0), tok, torch.device("cpu"))
     make = lambda: envs.make_env("household", split="valid_seen", seed=0, max_steps=2)  # noqa: E731
@@ -224,24 +244,25 @@ def test_rlsd_matches_its_definition_and_decays_to_grpo(d, tok, batch):
         w = torch.exp(torch.sign(a) * (teacher - old)).clamp(0.8, 1.2)
         lam = 0.5 * (1 - 1 / 100) * has  # update 0 is t = 1
         return a * ((1 - lam) + lam * w)
-    row, got, samples = run_update(d, tok, batch, teacher_params="old", lambda_opd=0.0, rlsd_lambda=0.5)
+    row, got, samples = run_update(d, tok, batch, "rlsd")
     assert row["rlsd/lambda"] == pytest.approx(0.495)
     assert 1 - 0.2 * 0.495 <= row["rlsd/weight_mean"] <= 1 + 0.2 * 0.495 and row["rlsd/weight_mean"] != 1.0
     assert max_diff(got, independent_step(samples, None, adv_of=adv_of)) < 1e-6
-    _, late, _ = run_update(d, tok, batch, update=99, teacher_params="old", lambda_opd=0.0, rlsd_lambda=0.5)
-    _, grpo, _ = run_update(d, tok, batch, lambda_opd=0.0)
+    _, late, _ = run_update(d, tok, batch, "rlsd", update=99)
+    _, grpo, _ = run_update(d, tok, batch, "grpo")
     assert all(torch.equal(late[k], grpo[k]) for k in grpo)      # λ_t = 0 from t = W on: GRPO exactly
     assert any(not torch.equal(got[k], grpo[k]) for k in grpo)
 
 
 def test_old_teacher_is_scored_once_before_the_minibatches(d, tok, batch, monkeypatch):
-    """--teacher_params old never runs the in-loop teacher branch, and with several mini-batches (θ moves between
-    them) it differs from SEED's current-θ teacher; with one mini-batch θ = θ_old and both agree to rounding."""
+    """A baseline's teacher (θ_old) is scored once per update, never in the mini-batch loop, and with several
+    mini-batches (θ moves between them) it differs from SEED's current-θ teacher; with one mini-batch θ = θ_old and
+    both agree to rounding."""
     calls = []
     real = seed.teacher_scores
     monkeypatch.setattr(seed, "teacher_scores", lambda *a: calls.append(len(a[2])) or real(*a))  # turns it scored
-    _, old_many, _ = run_update(d, tok, batch, teacher_params="old", minibatch_turns=8)
-    _, old_one, _ = run_update(d, tok, batch, teacher_params="old")
+    _, old_many, _ = run_update(d, tok, batch, "sdar", minibatch_turns=8)
+    _, old_one, _ = run_update(d, tok, batch, "sdar")
     assert len(calls) == 2 and calls[0] == calls[1] > 8  # once per update, over all turns (mini-batches hold 8)
     monkeypatch.undo()
     _, cur_many, _ = run_update(d, tok, batch, minibatch_turns=8)
@@ -253,8 +274,7 @@ def test_old_teacher_is_scored_once_before_the_minibatches(d, tok, batch, monkey
 def test_skill_in_the_policy_context(tok):
     """Skill-GRPO / Skill-Prompt*: with a library the policy's prompt is H(prompt, retrieved skill) on every turn,
     and the sampled ids are scored on exactly that prompt; an empty library leaves collect as it was (GRPO)."""
-    args = seed.resolve(seed.Args(skip_sft=True, skill_source="library", skill_library=LIBRARY, lambda_opd=0,
-                                  train_with_skills=True, max_steps=3))
+    args = baselines.resolve(baselines.Args(method="skill_grpo", max_steps=3))
     lib = baselines.load_library(LIBRARY)
     engine = models.HFEngine(models.load_model("tiny", 0), tok, torch.device("cpu"))
     make = lambda: envs.make_env("household", split="train", seed=0, max_steps=3)  # noqa: E731

@@ -86,7 +86,7 @@ def _after_first_think(text):
 
 PARSERS = {  # name -> (parser, what it returns on a degenerate reply (or a function of the reply) unless EXPECTED says)
     "seed.parse_skill": (seed.parse_skill, None),
-    "opid.find_json_object": (opid.find_json_object, None),
+    "envs.find_json_object": (envs.find_json_object, None),
     "opid.parse_analysis": (_analysis, (None, {"no_json": 1})),
     "opid._step_index": (opid._step_index, None),
     "grsd.parse_reflection": (grsd.parse_reflection, None),
@@ -147,7 +147,7 @@ P3 = "1. Go to the countertop first.\n2. Take the candle.\n3. Put it in the bed.
 JUNK = {"a": "a", "newlines": "\n", "spaces": " ", "brackets": "[", "numbered": "1. "}
 BURIED = {  # parser, what follows the junk, the answer expected
     "seed.parse_skill": (seed.parse_skill, "<skill>Open the fridge first.</skill>", "Open the fridge first."),
-    "opid.find_json_object": (opid.find_json_object, "\n```json\n" + PLAIN + "\n```", json.loads(PLAIN)),
+    "envs.find_json_object": (envs.find_json_object, "\n```json\n" + PLAIN + "\n```", json.loads(PLAIN)),
     "opid.parse_analysis": (_analysis, "\n" + PLAIN,
                             (opid.Analysis(E, {0: "Go to the countertop first."}), {"critical_steps": 1})),
     "grsd.parse_judge": (lambda t: grsd.parse_judge("<think>" + t), "</think>\nScore: 2", 2),
@@ -194,7 +194,7 @@ def test_a_skill_is_one_block_and_nested_or_repeated_tags_are_rejected(text, wan
     ("no comma here", "no comma here"),
 ])
 def test_trailing_commas_dropped_outside_strings_only(text, want):
-    assert opid.drop_trailing_commas(text) == want
+    assert envs.drop_trailing_commas(text) == want
 
 
 # ---- endpoints and the retriever: bounded in time, counted on every rank, loud when total
@@ -382,7 +382,7 @@ def test_dead_analyzer_counted_alike_on_one_and_two_ranks(tmp_path):
 
 BAD_FLAGS = [(["--save_every", "0"], "--save_every must be ≥ 1"), (["--micro_batch", "0"], "--micro_batch must be ≥ 1"),
              (["--group_size", "-1"], "--group_size must be ≥ 2"), (["--group_size", "0"], "--group_size must be ≥ 2"),
-             (["--group_size", "1"], "group-relative advantages compare N ≥ 2"),
+             (["--group_size", "1"], "group-relative advantages compare"),
              (["--tasks_per_update", "0"], "--tasks_per_update must be ≥ 1"), (["--updates", "-1"], "--updates must be ≥ 1"),
              (["--updates", "0"], "--updates must be ≥ 1"), (["--max_steps", "0"], "--max_steps must be ≥ 1"),
              (["--eval_tasks", "0"], "--eval_tasks must be ≥ 1"), (["--endpoint_timeout", "0"], "--endpoint_timeout must be ≥"),

@@ -78,6 +78,19 @@ def test_tied_group_with_inexact_rewards_is_exactly_zero(value):
     assert seed.group_advantages(r, eps=1e-6).tolist() == [[0.0] * 8]
 
 
+def test_group_index_gathers_each_groups_rewards_and_scatters_the_advantages_back():
+    """Trajectories of two interleaved groups (ids 7 and 2): by_group gives [G, N] rows in sorted group order, each
+    in trajectory order; from_groups puts every value back at its trajectory (seed / opid build_samples)."""
+    from types import SimpleNamespace
+    trajs = [SimpleNamespace(group=g) for g in (7, 2, 7, 2)]
+    group = C.group_index(trajs)
+    assert group.tolist() == [1, 0, 1, 0]
+    rewards = torch.tensor([10.0, 1.0, 0.0, 0.0])
+    assert C.by_group(rewards, group).tolist() == [[1.0, 0.0], [10.0, 0.0]]
+    adv = seed.group_advantages(C.by_group(rewards, group), eps=0.0)
+    assert C.from_groups(adv, group).tolist() == [1.0, 1.0, -1.0, -1.0]
+    assert C.by_group(torch.tensor([]), C.group_index([])).shape == (0, 0)  # a rank with no task
+
 # ---------------------------------------------------------------------------------------------- GRPO pieces
 
 def test_clipped_surrogate_by_hand():

@@ -155,7 +155,7 @@ def vllm_child(model_dir: str, out_path: str):
     tok = models.load_tokenizer(model_dir)
     args = SimpleNamespace(seed=0, bf16=False, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25, max_prompt_len=256,
                            max_response_len=48)
-    engine = models.VLLMEngine(model_dir, tok, d, args)
+    engine = models.VLLMEngine(model_dir, tok, d, args, 2 * 256)
     prompts = [C.chat_ids(tok, q) for q in QUESTIONS]
     out = {"greedy": engine.generate(prompts, 48, 0.0), "stops": engine.stops, "max_len": engine.max_len}
     ids, logps = engine.sample(prompts, 32, 1.0)
@@ -173,7 +173,7 @@ def test_vllm_generation_stops_at_the_end_of_turn_and_agrees_with_fp32_scoring(s
                          env={**clean_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got["stops"] == [0, 2] and got["max_len"] == 2 * 256  # longest_context: 2 × max_prompt_len
+    assert got["stops"] == [0, 2] and got["max_len"] == 2 * 256  # the context_len it was given
     for r in got["greedy"]:
         assert r[-1] == 2 and r.count(2) == 1 and len(r) < 48, smol_tok.decode(r)
     assert "blue" in smol_tok.decode(got["greedy"][0]).lower()

@@ -212,7 +212,7 @@ def test_stage1_policy_is_freed_before_stage_2(d, tok, tmp_path, monkeypatch):
                                   max_response_len=8, annotator_max_tokens=8))
     train_ids, make_train, _ = harness.task_envs(args)
     run = harness.Run(args, "seed", d, 1)
-    engine = models.make_engine(args, "tiny", tok, d)
+    engine = models.make_engine(args, "tiny", tok, d, seed.engine_context(args))
     gc.collect()
     gc.disable()
     try:

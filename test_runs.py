@@ -666,12 +666,12 @@ def test_readme_laptop_commands_run_in_the_order_written(tmp_path):
     # Then tests, in this copy, beside the runs/ the commands left (issue 41: after `python seed.py` the fast tier had
     # 19 failures, refused by the run in runs/seed). These build their Args with the default out_dir (runs/<method>),
     # every method's default folder now holding a finished run; conftest's scratch working directory keeps them apart.
-    for m in ("opid", "grsd"):
+    for m in ("opid", "grsd", "sdar"):
         if not (tmp_path / "runs" / m).exists():
             shutil.copytree(tmp_path / "runs" / "seed", tmp_path / "runs" / m)
     for p in [*HERE.glob("test_*.py"), HERE / "conftest.py"]:
         shutil.copy(p, tmp_path)
-    picked = ["test_baselines.py::test_library_retrieval_and_teacher_context",  # seed.Args(): runs/seed
+    picked = ["test_baselines.py::test_library_retrieval_and_teacher_context",  # baselines.Args(): runs/sdar
               "test_opid.py::test_parsed_skills_with_lone_surrogates_do_not_crash_build_samples",  # runs/opid
               "test_grsd.py::test_guidance_variants_by_hand"]  # runs/grsd
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *picked], cwd=tmp_path,
@@ -710,3 +710,33 @@ def test_a_failing_run_ends_with_its_error_below_the_bar(tmp_path):
                              cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
         lines = [x for x in res.stderr.replace("\r", "\n").splitlines() if x.strip()]
         assert res.returncode == 1 and lines[-1] == last and any("1/3" in x for x in lines[:-1]), res.stderr[-1500:]
+
+
+def test_identity_compare_names_each_difference_and_fails(tmp_path, capsys):
+    """tools/identity.py (issue 42's behaviour check): identical files pass; a value changed in the last bit, a row
+    missing, other weights or a configuration only on one side each fail, and are named."""
+    import identity
+    row = {"update": 0, "losses/pg": 0.1 + 0.2, "charts/success_rate": 0.25}
+    base = {"seed": {"rows": [row, {**row, "update": 1}], "weights": {"final/model.safetensors": "ab"}}}
+    variants = {"value": {"seed": {**base["seed"], "rows": [{**row, "losses/pg": 0.3}, {**row, "update": 1}]}},
+                "row": {"seed": {**base["seed"], "rows": [row]}},
+                "weights": {"seed": {**base["seed"], "weights": {"final/model.safetensors": "cd"}}},
+                "config": {**base, "opid": base["seed"]}}
+    (tmp_path / "a.json").write_text(json.dumps(base))
+    assert identity.compare(str(tmp_path / "a.json"), str(tmp_path / "a.json")) == 0
+    assert "seed: identical (2 rows, 1 weight files)" in capsys.readouterr().out
+    said = {"value": "row 0 losses/pg: 0.30000000000000004 != 0.3", "row": "2 rows != 1",
+            "weights": "final weights differ", "config": "opid: only in"}
+    for name, other in variants.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(other))
+        assert identity.compare(str(tmp_path / "a.json"), str(tmp_path / f"{name}.json")) == 1, name
+        assert said[name] in capsys.readouterr().out, name
+
+
+def test_identity_runs_the_baselines_as_seed_flags_in_a_checkout_from_before_baselines_ran_alone(tmp_path):
+    import identity
+    (tmp_path / "baselines.py").write_text("def baseline_update(): pass\n")
+    cmd = identity.command(str(tmp_path), "sdar", "out")
+    assert cmd[1:] == ["seed.py", "--out_dir", "out", "--threads", "1", *identity.BASELINE_FLAGS["sdar"]]
+    assert identity.command(str(HERE), "sdar", "out")[1:] == ["baselines.py", "--out_dir", "out", "--threads", "1",
+                                                              "--method", "sdar"]

@@ -86,7 +86,7 @@ def child(out_path: str):
     tok.save_pretrained(path)
     args = SimpleNamespace(seed=0, bf16=False, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25, max_prompt_len=1024,
                            max_response_len=48)
-    engine = models.VLLMEngine(path, tok, d, args)
+    engine = models.VLLMEngine(path, tok, d, args, 2 * 1024)
     out = {"threads_after_engine": torch.get_num_threads()}
     hf = models.HFEngine(models.load_model(path, 0), tok, d.device)
     prompts = [pairs[i][0] for i in range(0, len(pairs), max(1, len(pairs) // 10))][:10]

@@ -255,7 +255,7 @@ def engine_section(model_dir: str, out_json: str):
         f"{n_new} new tokens, {'bf16' if bf16 else 'fp32'}, model {model_dir}")
 
     t, res["before_gib"] = time.perf_counter(), gpu_used_gib()
-    engine = models.make_engine(engine_args(bf16), model_dir, tok, d)
+    engine = models.make_engine(engine_args(bf16), model_dir, tok, d, 2 * 1024)
     res["awake_gib"] = gpu_used_gib()
     held = f"the engine holds {res['awake_gib'] - res['before_gib']:.2f} GiB of the device; " if gpu else ""
     say(f"engine: construction {time.perf_counter() - t:.1f} s; {held}{mem_note()}")
@@ -335,7 +335,7 @@ def vllm_mismatch(model_dir: str, out_json: str):
     d = models.init_distributed(seed=0)
     tok = models.load_tokenizer(model_dir)
     prompts = household_prompts(tok, 16)
-    engine = models.make_engine(engine_args(bf16=True), model_dir, tok, d)
+    engine = models.make_engine(engine_args(bf16=True), model_dir, tok, d, 2 * 1024)
     policy = models.shard(models.load_model(model_dir, 0), d, bf16=True)
     engine.sync(policy)  # the weights as a run pushes them (fp32 master → bf16)
     torch.manual_seed(1)
@@ -372,7 +372,7 @@ def hf_mismatch(model_dir: str) -> dict:
     d = one_rank_group()
     tok = models.load_tokenizer(model_dir)
     prompts = household_prompts(tok, 16)
-    engine = models.make_engine(engine_args(bf16=True, engine="hf"), model_dir, tok, d)
+    engine = models.make_engine(engine_args(bf16=True, engine="hf"), model_dir, tok, d, 2 * 1024)
     torch.manual_seed(1)
     ids = engine.generate(prompts, 48, 1.0)
     trainer = models.shard(models.load_model(model_dir, 0), d, bf16=True, trainable=False)

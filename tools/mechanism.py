@@ -137,12 +137,12 @@ def teacher_samples(method: str, source: str, trajs, engine, tok, sa, oa, ga, or
     info = Counter()
     if method in ("SEED", "SDAR", "RLSD"):
         if source == "library":
-            skills, sa.skill_source = [baselines.retrieve_skill(lib, tr.family) for tr in trajs], "library"
+            skills, header = [baselines.retrieve_skill(lib, tr.family) for tr in trajs], seed.LIBRARY_HEADER
         else:
-            skills, sa.skill_source = seed.analyze(trajs, engine, sa, client("annotator") if source == "oracle"
-                                                   else None), "on_policy"
+            skills, header = seed.analyze(trajs, engine, sa, client("annotator") if source == "oracle"
+                                          else None), seed.HINDSIGHT_HEADER
         info["skills"] = sum(s is not None for s in skills)
-        return seed.build_samples(trajs, skills, tok, sa)[0], info
+        return seed.build_samples(trajs, skills, tok, sa, header)[0], info
     if method == "OPID":
         if source == "library":
             analyses = [opid.Analysis(baselines.retrieve_skill(lib, tr.family)) for tr in trajs]
