@@ -3,7 +3,7 @@
 Run:
   python baselines.py --method sdar                        # SDAR on the embedded household env + tiny model, CPU
   torchrun --nproc_per_node 8 baselines.py --method rlsd --env alfworld --data_dir /path/to/alfworld
-  python baselines.py --method skill_grpo                  # trains with the skill, evaluates without it (runs/skill_grpo)
+  python baselines.py --method skill_grpo                  # trains with the skill, evaluates without it
   python baselines.py --method skill_prompt --model runs/skill_grpo/final   # Skill-GRPO*: that run, evaluated with it
 --method picks the row (RECIPES); every flag the recipe sets can still be given (e.g. --lambda_opd 0.02).
 
@@ -91,20 +91,21 @@ class Args(harness.RunArgs):
                                            "records (default: skills/alfworld.jsonl for household and alfworld, "
                                            "skills/search.jsonl for search), or a SEED run's stage1/skills.jsonl")
     # The recipe's terms (None: the recipe's value)
-    lambda_opd: float | None = arg(None, "λ of the distillation term (SDAR, OPSD, GRPO+OPSD 0.01; Skill-SD 0.001; "
-                                         "else 0)")
-    beta_opd: float | None = arg(None, "gate sharpness β (5; GRPO+OPSD 0)")
-    pg_coef: float | None = arg(None, "weight of the clipped GRPO term of L_rl (OPSD 0, else 1)")
-    distill: str | None = arg(None, "distillation term: opd (SEED Eq. 1, gated) or sdl (Skill-SD: ρ-weighted k3)",
+    lambda_opd: float | None = arg(None, "λ of the distillation term (default, by recipe: SDAR, OPSD, GRPO+OPSD "
+                                         "0.01; Skill-SD 0.001; else 0)")
+    beta_opd: float | None = arg(None, "gate sharpness β (default, by recipe: 5; GRPO+OPSD 0)")
+    pg_coef: float | None = arg(None, "weight of the clipped GRPO term of L_rl (default, by recipe: OPSD 0, else 1)")
+    distill: str | None = arg(None, "distillation term: opd (SEED Eq. 1, gated) or sdl (Skill-SD: ρ-weighted k3; "
+                                        "default, by recipe: sdl for Skill-SD, else opd)",
                               DISTILL)
-    rlsd_lambda: float | None = arg(None, "RLSD λ_0: teacher-weighted token advantages (RLSD 0.5 as the SDAR code; "
-                                          "else 0)")
+    rlsd_lambda: float | None = arg(None, "RLSD λ_0: teacher-weighted token advantages (default, by recipe: RLSD 0.5 "
+                                          "as the SDAR code; else 0)")
     rlsd_warmdown: int = arg(100, "RLSD W: λ_t = λ_0 (1 − t/W) at update t = 1, 2, …, 0 from t = W on")
     rlsd_clip: float = arg(0.2, "RLSD ε_w: w_t clipped to [1 − ε_w, 1 + ε_w]")
     train_with_skills: bool | None = arg(None, "the retrieved skill in the policy's own context in rollouts and "
-                                               "updates (Skill-GRPO)")
+                                               "updates (default, by recipe: on for Skill-GRPO)")
     eval_with_skills: bool | None = arg(None, "validate with the retrieved skill in the policy's context "
-                                              "(Skill-Prompt*, Skill-GRPO*)")
+                                              "(default, by recipe: on for Skill-Prompt*)")
     skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection", at_least=1)
     # GRPO (SEED Table 5)
     updates: int | None = arg(None, "policy updates (paper 150)", at_least=1)
@@ -288,18 +289,13 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
                     t_lp, mk = m.rows(teacher), (mask * m.has(teacher)).detach()
                     if args.distill == "opd":  # SDAR, OPSD, GRPO+OPSD: Eq. (1) with ℓ_T at θ_old
                         l_opd, gate = S.opd_loss(logp, t_lp, mk, args.beta_opd, n_tok)
-                        sums["gate"] += (gate * mk).sum().detach()
-                        sums["gate_sq"] += (gate ** 2 * mk).sum().detach()
+                        C.add_sums(sums, m, gate=(gate * mk).sum(), gate_sq=(gate ** 2 * mk).sum())
                     else:  # Skill-SD
                         l_opd = sdl_loss(logp, old_lp, t_lp, mk, n_tok)
                     loss = loss + args.lambda_opd * l_opd
-                    sums["opd"] += l_opd.detach()
-                    sums["delta"] += ((t_lp - logp) * mk).sum().detach()
-                    sums["opd_tokens"] += mk.sum().detach()
-                (loss * m.scale).backward()
-                sums["pg"] += pg.detach() * m.real
-                sums["kl"] += kl.detach() * m.real
-                sums["tokens"] += mask.sum().detach() * m.real
+                    C.add_sums(sums, m, opd=l_opd, delta=((t_lp - logp) * mk).sum(), opd_tokens=mk.sum())
+                m.backward(loss)
+                C.add_sums(sums, m, pg=pg, kl=kl, tokens=mask.sum())
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
     if args.rlsd_lambda > 0:  # mean Â/A over the tokens of turns with A ≠ 0: how much the teacher re-weighted
         sums["rlsd_w"] = sum((a / s.adv).sum().item() for a, s in zip(adv_tok, samples) if s.adv)
@@ -337,8 +333,8 @@ def main(args: Args):
     train_context = library_context(library, tok, args) if args.train_with_skills else None  # Skill-GRPO
     eval_context = library_context(library, tok, args) if args.eval_with_skills else None  # Skill-Prompt*
     if args.eval_only:  # Vanilla, Skill-Prompt*, Skill-GRPO*
-        return models.shutdown(harness.eval_only(args, args.method, d, base, tok, evals, args.max_prompt_len + args.max_response_len,
-                                                 eval_context))
+        return models.shutdown(harness.eval_only(args, args.method, d, base, tok, evals,
+                                                 args.max_prompt_len + args.max_response_len, eval_context))
     run = harness.Run(args, args.method, d, args.updates)  # out_dir, metrics rows, --resume
     engine = models.make_engine(args, base, tok, d, args.max_prompt_len + args.max_response_len)  # agent turns only
     policy = models.shard(models.load_model(run.state or base, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)

@@ -9,7 +9,8 @@ run directory, checkpoints, metrics, trackers, endpoints, env worker processes).
 Conventions:
   * Every rank owns whole task groups (all N rollouts of a task), so group statistics are local.
   * FSDP forwards are collectives: every rank runs the same number of forward/backward calls. A rank with fewer
-    samples runs a 2-token dummy micro-batch whose loss is multiplied by 0 (minibatch_chunks hides this).
+    samples runs a 2-token dummy micro-batch whose loss is multiplied by 0 (minibatch_chunks yields it,
+    MicroBatch.backward scales it, add_sums leaves it out of the metrics).
   * A loss that the paper writes as a masked mean over a mini-batch is divided by the *global* token count of that
     mini-batch (all-reduced) and multiplied by world size, because FSDP averages gradients over ranks.
 """
@@ -405,6 +406,11 @@ class MicroBatch:
     def real(self) -> bool:
         return bool(self.idx)
 
+    def backward(self, loss: torch.Tensor):
+        """loss.backward() under the FSDP convention: a loss normalised by its mini-batch's global counts is scaled by
+        the world size (FSDP averages gradients over ranks); a dummy's by 0 (it only keeps the collectives in step)."""
+        (loss * self.scale).backward()
+
     def logprobs(self, model):
         """(ℓ_θ [B, R], mask [B, R]) of its responses, with gradient."""
         count_forward(self.prompts, self.responses)
@@ -423,6 +429,13 @@ class MicroBatch:
     def column(self, per_sample, dummy: float = 0.0) -> torch.Tensor:
         """[B, 1]: one float per sample (a dummy: `dummy`)."""
         return torch.tensor([[float(per_sample[i])] for i in self.idx] or [[dummy]], device=self.device)
+
+
+def add_sums(sums: dict, m: MicroBatch, **values):
+    """An update loop's metric sums: each value (a 0-dim tensor, detached) added to sums[name], nothing for a dummy
+    micro-batch. They stay on the device and are read back once per update (global_sums)."""
+    for k, v in values.items():
+        sums[k] = sums.get(k, 0.0) + v.detach() * m.real
 
 
 def minibatch_chunks(d: Dist, prompts, responses, chunks: list[list[int]], *more, temperature: float = 1.0):

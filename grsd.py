@@ -466,14 +466,12 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                     pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, w,
                                         args.clip_eps, r_denom)
                     loss = args.alpha * pg
-                    sums["ref"] += pg.detach()
+                    C.add_sums(sums, m, ref=pg)
                 else:                                                               # Eq. (13) + β·KL
                     loss, pg, kl = grsd_task_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mask,
                                                   w, args.clip_eps, args.beta_kl, denom)
-                    sums["pg"] += pg.detach()
-                    sums["kl"] += kl.detach()
-                    sums["tokens"] += mask.sum().detach() * m.real
-                (loss * m.scale).backward()  # FSDP averages over ranks; a dummy counts 0
+                    C.add_sums(sums, m, pg=pg, kl=kl, tokens=mask.sum())
+                m.backward(loss)
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
     a_plain = torch.cat([torch.full((len(r),), s.adv) for s, r in zip(turns, R)]) if turns else torch.zeros(0)
     a_hat = torch.cat(adv) if adv else torch.zeros(0)

@@ -470,10 +470,8 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                 logp, mb_mask = m.logprobs(policy)                                        # ℓ_θ, with gradient
                 loss, pg, kl = opid_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mb_mask,
                                          args.clip_eps, args.beta_kl, n_tok)               # l.29-30 (· w: --rollout_is)
-                (loss * m.scale).backward()
-                sums["pg"] += pg.detach() * m.real
-                sums["kl"] += kl.detach() * m.real
-                sums["tokens"] += mb_mask.sum().detach() * m.real
+                m.backward(loss)
+                C.add_sums(sums, m, pg=pg, kl=kl, tokens=mb_mask.sum())
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.31
     tot = Counter(C.global_sums(sums, d))
     n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)

@@ -296,9 +296,9 @@ def sft_train(policy, tok, data, args, d) -> dict:
             chunks = C.micro_batches(step, prompts, targets, args.micro_batch, args.micro_batch_tokens)
             for m in C.minibatch_chunks(d, prompts, targets, chunks):
                 logp, mask = m.logprobs(policy)
-                loss = sft_loss(logp, mask, n_global) * m.scale  # FSDP averages over ranks; a dummy counts 0
-                loss.backward()
-                total += loss.detach() / d.world
+                loss = sft_loss(logp, mask, n_global)
+                m.backward(loss)
+                total += loss.detach() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
             losses.append(C.global_sum([total], d.device)[0])
     if not losses:  # --sft_epochs 0: θ_sft = the base policy
@@ -387,15 +387,10 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
                     t_lp, mk = m.rows(teacher), (mask * m.has(teacher)).detach()  # no valid skill: no L_opd numerator
                     l_opd, gate = opd_loss(logp, t_lp, mk, args.beta_opd, n_tok)  # l.23-24, 27: Eq. (1)
                     loss = loss + args.lambda_opd * l_opd  # L_SEED (l.28)
-                    sums["opd"] += l_opd.detach()
-                    sums["gate"] += (gate * mk).sum().detach()
-                    sums["gate_sq"] += (gate ** 2 * mk).sum().detach()
-                    sums["delta"] += ((t_lp - logp) * mk).sum().detach()
-                    sums["opd_tokens"] += mk.sum().detach()
-                (loss * m.scale).backward()
-                sums["pg"] += pg.detach() * m.real
-                sums["kl"] += kl.detach() * m.real
-                sums["tokens"] += mask.sum().detach() * m.real
+                    C.add_sums(sums, m, opd=l_opd, gate=(gate * mk).sum(), gate_sq=(gate ** 2 * mk).sum(),
+                               delta=((t_lp - logp) * mk).sum(), opd_tokens=mk.sum())
+                m.backward(loss)
+                C.add_sums(sums, m, pg=pg, kl=kl, tokens=mask.sum())
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
     tot = C.global_sums(sums, d)
     n_opd = max(tot["opd_tokens"], 1.0)
