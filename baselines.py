@@ -154,7 +154,7 @@ def resolve(args: Args) -> Args:
         args.bf16 = torch.cuda.is_available()
     if args.grad_ckpt is None:
         args.grad_ckpt = torch.cuda.is_available()
-    uses_library = has_teacher(args) or args.train_with_skills or args.eval_with_skills
+    uses_library = (has_teacher(args) and not args.eval_only) or args.train_with_skills or args.eval_with_skills
     if uses_library and args.skill_library is None:
         if args.env not in LIBRARIES:
             raise SystemExit(f"--method {args.method} retrieves library skills and skills/ has none for --env "

@@ -166,8 +166,8 @@ def find_json_object(text: str, wanted=lambda obj: obj if isinstance(obj, dict) 
                      max_starts: int = 256) -> dict | None:
     """The first JSON value in a model's reply that `wanted` accepts (it returns the dict to use, or None), else the
     first JSON object at all: fenced blocks first, then the whole text, trying each '{' (bounded) as a start, as
-    written and then with trailing commas removed outside strings. Never raises. Linear time: decoding stops once it has read 4× the text (+64K characters) in
-    all; without that cap, k nested starts that all fail at the far end ('{"a":' * k + an unclosed list) would read
+    written and then with trailing commas removed outside strings. Never raises. Linear time: decoding stops once it
+    has read 4× the text (+64K characters) in all; without that cap, k nested starts that all fail at the far end ('{"a":' * k + an unclosed list) would read
     the text k times."""
     decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
     parts = text.split("```")

@@ -296,7 +296,7 @@ def sft_train(policy, tok, data, args, d) -> dict:
             chunks = C.micro_batches(step, prompts, targets, args.micro_batch, args.micro_batch_tokens)
             for m in C.minibatch_chunks(d, prompts, targets, chunks):
                 logp, mask = m.logprobs(policy)
-                loss = sft_loss(logp, mask, n_global)
+                loss = sft_loss(logp, mask, n_global)  # L_sft (§3.2): NLL of the skill tokens, per example
                 m.backward(loss)
                 total += loss.detach() * m.real
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
@@ -407,12 +407,12 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
 
 
 def stage2_metrics(trajs, skills, adv: torch.Tensor, d) -> dict:
-    """The update's skill and advantage counts, summed over ranks."""
+    """The update's skill and advantage counts, summed over ranks (adv: the [groups, N] A of Alg. 1 l.10-12)."""
     n = C.global_sums({"skills": sum(s is not None for s in skills), "trajs": len(trajs),
                        "tied": float((adv.abs().sum(1) == 0).sum()), "groups": adv.shape[0],
                        "adv_abs": adv.abs().sum().item()}, d)
-    return {"skills/valid_rate": n["skills"] / max(n["trajs"], 1), "adv/tied_group_frac": n["tied"] / max(n["groups"], 1),
-            "adv/abs_mean": n["adv_abs"] / max(n["trajs"], 1)}
+    return {"skills/valid_rate": n["skills"] / max(n["trajs"], 1),
+            "adv/tied_group_frac": n["tied"] / max(n["groups"], 1), "adv/abs_mean": n["adv_abs"] / max(n["trajs"], 1)}
 
 
 def engine_context(args) -> int:

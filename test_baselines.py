@@ -144,6 +144,8 @@ def test_each_recipe_sets_its_row_and_a_given_flag_wins():
     assert got("vanilla")[5:8] == (False, False, True) and got("skill_prompt")[5:8] == (False, True, True)
     assert got("sdar", lambda_opd=0.02, out_dir="x")[0] == 0.02 and got("sdar", out_dir="x")[-1] == "x"
     assert not baselines.has_teacher(baselines.resolve(baselines.Args(method="grpo")))
+    for method, library in [("vanilla", None), ("grpo", None), ("skill_prompt", LIBRARY), ("sdar", LIBRARY)]:
+        assert baselines.resolve(baselines.Args(method=method)).skill_library == library, method  # only if used
 
 
 def test_sdar_matches_its_definition(d, tok, batch):

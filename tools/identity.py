@@ -81,7 +81,8 @@ def record(checkout: str, out: str, names: list[str]) -> None:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = os.path.join(tmp, name)
-            done = subprocess.run(command(checkout, name, run_dir), cwd=checkout, env=env, capture_output=True, text=True)
+            done = subprocess.run(command(checkout, name, run_dir), cwd=checkout, env=env, capture_output=True,
+                                  text=True)
             if done.returncode != 0:
                 raise SystemExit(f"[identity] {name} failed in {checkout}:\n{done.stderr[-3000:]}")
             rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
