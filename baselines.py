@@ -261,9 +261,9 @@ def baseline_update(policy, ref, opt, samples: list, args, d, timer, update: int
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         # ℓ_old: θ before the update
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        old = C.score(policy, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
         # π_ref, for L_rl's KL
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
         teacher = S.teacher_scores(policy, samples, range(len(samples)), R, args, d)      # ℓ_T at θ_old, then fixed
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
@@ -352,7 +352,7 @@ def main(args: Args):
         with timer("rollout"):                                                       # G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p, train_context)
-        harness.record_turns(trajs, engine.stops)
+        run.replies.record_turns(trajs, engine.stops)
         with timer("analysis"):  # the teacher's skill: the task family's library record (none without a teacher)
             skills = [retrieve_skill(library, tr.family) for tr in trajs] if has_teacher(args) else [None] * len(trajs)
         samples, adv = S.build_samples(trajs, skills, tok, args, S.LIBRARY_HEADER)

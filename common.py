@@ -36,6 +36,8 @@ class Dist:
     rank: int
     world: int
     device: torch.device
+    forward_tokens: list[int] = field(default_factory=lambda: [0, 0])  # this run's (real, computed) tokens of its
+    # scoring and training forwards (score, MicroBatch.logprobs); harness.padding_metrics reads and resets them
 
     @property
     def main(self) -> bool:
@@ -325,13 +327,10 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     return right.gather(1, (cols + R - n).clamp(max=max(R - 1, 0))), mask.float()
 
 
-FORWARD_TOKENS = [0, 0]  # (real, computed) tokens of every scoring / training forward: harness.padding_metrics
-
-
-def count_forward(prompts: list[list[int]], responses: list[list[int]]):
-    """Add a forward's real and padded token counts (sequence_logprobs right-aligns: width = longest sequence)."""
-    FORWARD_TOKENS[0] += sum(len(p) + len(r) for p, r in zip(prompts, responses))
-    FORWARD_TOKENS[1] += len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses))
+def count_forward(tally: list[int], prompts: list[list[int]], responses: list[list[int]]):
+    """Add a forward's real and padded token counts to tally (sequence_logprobs right-aligns: width = longest)."""
+    tally[0] += sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    tally[1] += len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses))
 
 
 DUMMY = ([0], [0])  # a 2-token micro-batch for ranks that have run out of real samples (its loss is scaled by 0)
@@ -368,15 +367,16 @@ def micro_batches(indices: list[int], prompts: list[list[int]], responses: list[
 
 
 @torch.no_grad()
-def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, device, max_tokens: int = 0,
+def score(model, prompts: list[list[int]], responses: list[list[int]], micro_bs: int, d: Dist, max_tokens: int = 0,
           temperature: float = 1.0):
     """Per-sample response log-probs (list of 1-D CPU tensors, in input order) for a whole rank-local batch, without
-    gradients, in micro_batches(…, micro_bs, max_tokens), at the sampling temperature (sequence_logprobs)."""
+    gradients, in micro_batches(…, micro_bs, max_tokens), at the sampling temperature (sequence_logprobs); the
+    forwards' tokens are counted in d.forward_tokens."""
     out: list[torch.Tensor | None] = [None] * len(prompts)
-    for idx in pad_chunks(micro_batches(list(range(len(prompts))), prompts, responses, micro_bs, max_tokens), device):
+    for idx in pad_chunks(micro_batches(list(range(len(prompts))), prompts, responses, micro_bs, max_tokens), d.device):
         p, r = ([prompts[i] for i in idx], [responses[i] for i in idx]) if idx else ([DUMMY[0]], [DUMMY[1]])
-        count_forward(p, r)
-        logp, _ = sequence_logprobs(model, p, r, device, temperature)
+        count_forward(d.forward_tokens, p, r)
+        logp, _ = sequence_logprobs(model, p, r, d.device, temperature)
         for j, i in enumerate(idx):
             out[i] = logp[j, :len(responses[i])].cpu()
     return out
@@ -400,6 +400,7 @@ class MicroBatch:
     responses: list[list[int]]
     scale: float                  # world size (FSDP averages gradients over ranks), 0 for a dummy
     device: torch.device
+    tally: list[int]              # the run's forward-token counts (Dist.forward_tokens)
     temperature: float = 1.0      # the rollouts' sampling temperature (sequence_logprobs)
 
     @property
@@ -413,7 +414,7 @@ class MicroBatch:
 
     def logprobs(self, model):
         """(ℓ_θ [B, R], mask [B, R]) of its responses, with gradient."""
-        count_forward(self.prompts, self.responses)
+        count_forward(self.tally, self.prompts, self.responses)
         return sequence_logprobs(model, self.prompts, self.responses, self.device, self.temperature)
 
     def rows(self, per_sample, dummy: float = 0.0) -> torch.Tensor:
@@ -447,7 +448,7 @@ def minibatch_chunks(d: Dist, prompts, responses, chunks: list[list[int]], *more
     todo += [("", prompts, responses, [])] * (global_max(len(todo), d.device) - len(todo))
     for kind, P, R, idx in todo:
         yield MicroBatch(kind, idx, [P[i] for i in idx] or [DUMMY[0]], [R[i] for i in idx] or [DUMMY[1]],
-                         d.world if idx else 0.0, d.device, temperature)
+                         d.world if idx else 0.0, d.device, d.forward_tokens, temperature)
 
 
 # ----------------------------------------------------------------------------------------------------------------

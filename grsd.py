@@ -306,26 +306,27 @@ class Sample:
     engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (turns, vLLM): --rollout_is
 
 
-def reflect_and_judge(trajs, engine, args, client, timer, counts: Counter | None = None):
+def reflect_and_judge(trajs, engine, args, client, timer, counts: Counter | None = None, log=None):
     """Stage A (Eq. 3-4, Alg. 1 l.6-11): reflections s_i, their validity, judge scores r_ref (None = ⊥). Sampled like
     the rollouts (temperature, top_p), so ρ on reflection tokens is a ratio to the distribution that sampled them
     exactly when those are 1 (as for the task tokens)."""
     with timer("reflection"):
         asks = [reflection_prompt(tr, args.obs_chars) for tr in trajs]
         p_ids, r_ids, texts = harness.generate_texts(engine, "reflection", asks, args.reflection_prompt_len,
-                                             args.reflection_max_tokens, args.temperature, args.top_p, counts)
+                                             args.reflection_max_tokens, args.temperature, args.top_p, counts, log)
     reflections = [parse_reflection(t) for t in texts]
     rows = [i for i, s in enumerate(reflections) if s is not None]
     asks = [judge_prompt(trajs[i], reflections[i], args.obs_chars) for i in rows]
     with timer("judge"):
-        replies = harness.ask("judge", asks, client, engine, args.reflection_prompt_len, args.judge_max_tokens, 0.0)
+        replies = harness.ask("judge", asks, client, engine, args.reflection_prompt_len, args.judge_max_tokens, 0.0,
+                               log)
     scores: list[int | None] = [None] * len(trajs)
     for i, reply in zip(rows, replies):
         scores[i] = parse_judge(reply)
     return p_ids, r_ids, reflections, scores
 
 
-def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Counter | None = None):
+def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Counter | None = None, log=None):
     """Stage B (Eq. 5-7, Alg. 1 l.13-16): m_x and z_x per rank-local group (None where inactive), and the number of
     active groups whose sampled guidance came out empty (they fall back to GRPO)."""
     groups = sorted({tr.group for tr in trajs})
@@ -349,7 +350,7 @@ def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Coun
         asks = [guidance_prompt(task[g], good[g], [] if args.guidance == "success_only" else bad[g]) for g in active]
         with timer("guidance"):                                                                      # Eq. (6)
             _, _, texts = harness.generate_texts(engine, "guidance", asks, args.reflection_prompt_len,
-                                         args.reflection_max_tokens, args.temperature, args.top_p, counts)
+                                         args.reflection_max_tokens, args.temperature, args.top_p, counts, log)
         guidance.update({g: (C.strip_thinking(z).strip() or None) for g, z in zip(active, texts)})
     return mixed, guidance, sum(guidance[g] is None for g in active)
 
@@ -392,34 +393,55 @@ def group_norm(trajs, values, eps_adv: float) -> list[float]:
     return out
 
 
-def modulated_advantages(turns: list[Sample], old, tea, args):
-    """Alg. 1 l.14-25: Â for every token of every turn sample (list of 1-D tensors), and Δ of the modulated turns.
-    A unit is what shares one Δ and one Â: a turn (Eq. 9), or a token / a whole trajectory (Table 2 variants)."""
-    lens = [len(s.response_ids) for s in turns]
-    out = [torch.full((n,), s.adv) for s, n in zip(turns, lens)]
-    has = [s.teacher_ids is not None for s in turns]  # exactly the turns of groups with m_x = 1 and a z_x
-    if args.lambda_mod == 0 or not any(has):
-        return out, torch.zeros(0)
-    diffs = [t - o for t, o in zip(tea, old)]         # ℓ_tea − ℓ_stu per token, both under θ̄ = θ_old
-    if args.modulation == "token":
-        units = [[(j, k)] for j in range(len(turns)) for k in range(lens[j])]
-    elif args.modulation == "turn":
-        units = [[(j, k) for k in range(n)] for j, n in enumerate(lens) if n > 0]
-    else:
-        by_traj: dict[int, list] = {}
-        for j, n in enumerate(lens):
-            by_traj.setdefault(turns[j].traj, []).extend((j, k) for k in range(n))
-        units = [u for u in by_traj.values() if u]
-    delta = torch.tensor([sum(diffs[j][k].item() for j, k in u) / len(u) for u in units])
-    groups = sorted({s.group for s in turns})
-    group = torch.tensor([groups.index(turns[u[0][0]].group) for u in units])
-    mixed = torch.tensor([any(h for s, h in zip(turns, has) if s.group == g) for g in groups])
-    a_hat, _ = turn_modulation(torch.tensor([turns[u[0][0]].adv for u in units]), delta, group, mixed,
-                               args.lambda_mod, args.g_hat, args.eps_gap)
-    for u, a in zip(units, a_hat.tolist()):
-        for j, k in u:
-            out[j][k] = a
-    return out, torch.tensor([diffs[j].mean().item() for j in range(len(turns)) if has[j] and lens[j] > 0])
+def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: float, g_hat: float, eps_gap: float):
+    """Alg. 1 l.14-25 on [T turns] / [T, R tokens] tensors, as verl's estimators: Â per token [T, R].
+    adv [T]: A_i of each turn's trajectory; diff [T, R]: ℓ_tea − ℓ_stu per token, both under θ̄ = θ_old (0 where a
+    turn has no teacher); mask [T, R]: its real tokens; group [T]: each turn's group 0..G−1; traj [T]: its
+    trajectory; has [T]: the turn has a teacher context (exactly the turns of groups with m_x = 1 and a z_x).
+    A unit shares one Δ and one Â: a turn (Eq. 9), or a token / a whole trajectory (the Table 2 variants)."""
+    a_hat = adv[:, None] * mask
+    if lam == 0 or not bool(has.any()):
+        return a_hat
+    n, tok_sum = mask.sum(1), (diff.double() * mask).sum(1)
+    mixed = torch.zeros(int(group.max()) + 1, dtype=torch.bool)
+    mixed[group[has]] = True                                                         # m_x: z_x exists
+    if unit == "token":   # each token its own Δ
+        real = mask.bool()
+        a_u = turn_modulation(adv[:, None].expand_as(mask)[real], diff[real], group[:, None].expand_as(mask)[real],
+                              mixed, lam, g_hat, eps_gap)[0]
+        a_hat[real] = a_u
+    elif unit == "turn":  # Eq. (9): Δ = mean over the turn's tokens
+        real = n > 0
+        a_u = turn_modulation(adv[real], (tok_sum[real] / n[real]).float(), group[real], mixed, lam, g_hat, eps_gap)[0]
+        a_hat[real] = a_u[:, None] * mask[real]
+    else:                 # one Δ over all the trajectory's tokens
+        ids, of = torch.unique(traj, return_inverse=True)
+        first = torch.zeros(len(ids), dtype=torch.long).scatter_reduce(0, of, torch.arange(len(of)), "amin",
+                                                                        include_self=False)
+        t_sum = torch.zeros(len(ids), dtype=torch.float64).index_add(0, of, tok_sum)
+        t_n = torch.zeros(len(ids), dtype=torch.float64).index_add(0, of, n.double())
+        real = t_n > 0
+        a_u = torch.zeros(len(ids))
+        a_u[real] = turn_modulation(adv[first][real], (t_sum[real] / t_n[real]).float(), group[first][real], mixed,
+                                    lam, g_hat, eps_gap)[0]
+        a_hat = a_u[of][:, None] * mask
+    return a_hat
+
+
+def turn_advantages(turns: list[Sample], old, tea, args):
+    """modulated_advantages on the turn samples and their per-token ℓ_stu / ℓ_tea (lists of 1-D tensors): Â as a 1-D
+    tensor per turn, and Δ of each modulated turn (Fig. 3b's metric)."""
+    if not turns:
+        return [], torch.zeros(0)
+    lens, diffs = [len(s.response_ids) for s in turns], [t - o for t, o in zip(tea, old)]
+    mask, diff = C.pad_right([torch.ones(n) for n in lens], "cpu"), C.pad_right(diffs, "cpu")
+    group = torch.unique(torch.tensor([s.group for s in turns]), return_inverse=True)[1]
+    a_hat = modulated_advantages(torch.tensor([s.adv for s in turns]), diff, mask, group,
+                                 torch.tensor([s.traj for s in turns]),
+                                 torch.tensor([s.teacher_ids is not None for s in turns]), args.modulation,
+                                 args.lambda_mod, args.g_hat, args.eps_gap)
+    delta = [x.mean().item() for x, s in zip(diffs, turns) if s.teacher_ids is not None and len(x)]
+    return [a[:n] for a, n in zip(a_hat, lens)], torch.tensor(delta if args.lambda_mod else [])
 
 
 def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
@@ -427,20 +449,20 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     P, R = [s.prompt_ids for s in turns], [s.response_ids for s in turns]
     with timer("scoring"):
         # ℓ_stu = log π_θold
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        old = C.score(policy, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
         live = [j for j, s in enumerate(refls) if s.adv != 0]  # A_ref = 0 ⇒ φ(ρ, 0) = 0: no pass needed
         RP, RR = [s.prompt_ids for s in refls], [s.response_ids for s in refls]
         r_old = dict(zip(live, C.score(policy, [RP[j] for j in live], [RR[j] for j in live], args.micro_batch,  # θ_old
-                                       d.device, args.micro_batch_tokens, args.temperature)))  # reflection tokens
+                                       d, args.micro_batch_tokens, args.temperature)))  # reflection tokens
     rows = [j for j, s in enumerate(turns) if s.teacher_ids]
     tea = list(old)
     with timer("teacher"):                                                          # Eq. (9): ℓ_tea under θ̄
         scored = C.score(policy, [turns[j].teacher_ids for j in rows], [R[j] for j in rows], args.micro_batch,
-                         d.device, args.micro_batch_tokens, args.temperature)
+                         d, args.micro_batch_tokens, args.temperature)
     for j, lp in zip(rows, scored):
         tea[j] = lp
-    adv, delta_turn = modulated_advantages(turns, old, tea, args)
+    adv, delta_turn = turn_advantages(turns, old, tea, args)
     engine_lp = [s.engine_logp for s in turns]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     order = list(range(len(turns)))
@@ -535,12 +557,13 @@ def main(args: Args):
         with timer("rollout"):                                                       # l.3
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
-        harness.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
+        run.replies.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
         groups = sorted({tr.group for tr in trajs})
         adv = group_norm(trajs, [tr.reward for tr in trajs], args.eps_adv)          # l.4: A_i = Norm_G(R_i)
         counts = Counter()
-        refl = reflect_and_judge(trajs, engine, args, client, timer, counts)       # l.5-11
-        mixed, guidance, n_empty = group_guidance(trajs, refl[2], refl[3], engine, args, timer, counts)  # l.12-16
+        refl = reflect_and_judge(trajs, engine, args, client, timer, counts, run.replies)  # l.5-11
+        mixed, guidance, n_empty = group_guidance(trajs, refl[2], refl[3], engine, args, timer, counts,
+                                                  run.replies)                   # l.12-16
         turns, refls = build_samples(trajs, adv, refl, guidance, tok, args)
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         row = {"update": update, **grsd_update(policy, ref, opt, turns, refls, args, d, timer)}

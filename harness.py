@@ -480,31 +480,53 @@ def lock_out_dir(out_dir: str):
 # --log_samples: what the policy and the endpoints wrote, a few per update, and how many replies hit their cap
 # ----------------------------------------------------------------------------------------------------------------
 
-SAMPLES = {"limit": 0, "kept": {}, "count": {}}  # per kind of reply ("turn", and each role a method asks), as recorded
+class Replies:
+    """The run's log of replies, per kind ("turn", and each role a method asks), as recorded: how many, how many hit
+    their token limit, and the first --log_samples of each kind this update. Run owns one (run.replies); the
+    methods pass it to ask / generate_texts (None: not recorded, e.g. in tests)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.kept, self.count = limit, {}, {}
+
+    def record(self, kind: str, prompts: list[str], replies: list, capped: list | int | None = None):
+        """One batch of a role's replies on this rank: counted (replies, and those cut at their token limit: per
+        reply, or a number from an endpoint's finish_reason), the first `limit` kept for samples.jsonl."""
+        per_reply = capped if isinstance(capped, list) else None
+        count = self.count.setdefault(kind, [0, 0])
+        count[0] += len(replies)
+        count[1] += sum(map(bool, per_reply)) if per_reply is not None else int(capped or 0)
+        kept = self.kept.setdefault(kind, [])
+        for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+            if len(kept) >= self.limit:
+                break
+            kept.append({"prompt_tail": prompt[-600:], "reply": reply, "capped": per_reply[i] if per_reply else None})
+
+    def record_turns(self, trajs, stops: list[int]):
+        """The acting turns of the update (one per trajectory first, so the samples span tasks): their replies,
+        parsed actions and validity; a reply without a stop token hit --max_response_len."""
+        turns = [(tr, t) for k in range(max((len(tr.turns) for tr in trajs), default=0)) for tr in trajs
+                 if k < len(tr.turns) for t in [tr.turns[k]]]
+        start = len(self.kept.get("turn", []))
+        self.record("turn", [t.prompt_text for _, t in turns], [t.response_text for _, t in turns],
+                    [not t.response_ids or t.response_ids[-1] not in stops for _, t in turns])
+        for row, (tr, t) in zip(self.kept["turn"][start:], turns):
+            row.update(task=tr.task, action=t.action, valid=t.valid, reward=t.reward)
+
+    def rows(self, update: int, d: Dist) -> tuple[dict, list[dict]]:
+        """The counts summed over ranks and rank 0's kept samples (for samples.jsonl, by Run), then empty. The kinds
+        are every rank's, in the order they were first recorded (a rank may have asked no role this update)."""
+        kinds = list(dict.fromkeys(k for part in C.all_gather_objects(list(self.count)) for k in part))
+        counts = global_sums({f"replies/{k}{x}": self.count.get(k, [0, 0])[i] for k in kinds
+                              for i, x in enumerate(("", "_capped"))}, d)
+        kept = [{"update": update, "kind": k, **x} for k in kinds for x in self.kept.get(k, [])]
+        self.kept, self.count = {}, {}
+        return {k: v for k, v in counts.items() if counts[k.removesuffix("_capped")]}, kept  # this method's kinds
 
 
-def reset_samples(limit: int):
-    SAMPLES.update(limit=limit, kept={}, count={})
-
-
-def record(kind: str, prompts: list[str], replies: list, capped: list | int | None = None):
-    """One batch of a role's replies on this rank: counted (replies, and those cut at their token limit: per reply,
-    or a number from an endpoint's finish_reason) for the update's row, the first --log_samples kept for
-    samples.jsonl. Run.end_update empties both."""
-    per_reply = capped if isinstance(capped, list) else None
-    count = SAMPLES["count"].setdefault(kind, [0, 0])
-    count[0] += len(replies)
-    count[1] += sum(map(bool, per_reply)) if per_reply is not None else int(capped or 0)
-    kept = SAMPLES["kept"].setdefault(kind, [])
-    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
-        if len(kept) >= SAMPLES["limit"]:
-            break
-        kept.append({"prompt_tail": prompt[-600:], "reply": reply, "capped": per_reply[i] if per_reply else None})
-
-
-def ask(kind: str, prompts: list[str], client, engine, max_prompt: int, max_tokens: int, temperature: float):
+def ask(kind: str, prompts: list[str], client, engine, max_prompt: int, max_tokens: int, temperature: float,
+        log: Replies | None = None):
     """A non-acting role's replies, from its endpoint if given, else from the policy (engine.generate_text), recorded
-    (record) under `kind`. An endpoint's failed request is None."""
+    in `log` under `kind`. An endpoint's failed request is None."""
     if client is not None:
         before = client.capped_replies
         replies = client.complete_many(prompts, temperature, max_tokens)
@@ -512,14 +534,15 @@ def ask(kind: str, prompts: list[str], client, engine, max_prompt: int, max_toke
     else:
         replies = engine.generate_text(prompts, max_prompt, max_tokens, temperature) if prompts else []
         capped = getattr(engine, "capped", None) if prompts else []
-    record(kind, prompts, replies, capped)
+    if log is not None:
+        log.record(kind, prompts, replies, capped)
     return replies
 
 
 def generate_texts(engine, kind: str, texts: list[str], max_prompt: int, max_new: int, temperature: float,
-                   top_p: float = 1.0, counts: dict | None = None):
+                   top_p: float = 1.0, counts: dict | None = None, log: Replies | None = None):
     """The policy (θ_old) in a non-acting role whose tokens are trained on, sampled like a rollout: (prompt ids,
-    response ids, decoded text) per input, recorded under `kind` (record). Over-long prompts lose their middle
+    response ids, decoded text) per input, recorded in `log` under `kind`. Over-long prompts lose their middle
     (common.encode_prompt); how many is added to counts[f"{kind}_truncated"]. (ask: the text alone, or an endpoint.)"""
     encoded = [C.encode_prompt(engine.tok, t, max_prompt) for t in texts]
     if counts is not None:
@@ -527,31 +550,9 @@ def generate_texts(engine, kind: str, texts: list[str], max_prompt: int, max_new
     prompts = [ids for ids, _ in encoded]
     responses = engine.generate(prompts, max_new, temperature, top_p) if prompts else []
     texts = [engine.tok.decode(r, skip_special_tokens=True) for r in responses]
-    record(kind, [used for _, used in encoded], texts, [not r or r[-1] not in engine.stops for r in responses])
+    if log is not None:
+        log.record(kind, [used for _, used in encoded], texts, [not r or r[-1] not in engine.stops for r in responses])
     return prompts, responses, texts
-
-
-def record_turns(trajs, stops: list[int]):
-    """The acting turns of the update (one per trajectory first, so the samples span tasks): their replies, parsed
-    actions and validity; a reply without a stop token hit --max_response_len."""
-    turns = [(tr, t) for k in range(max((len(tr.turns) for tr in trajs), default=0)) for tr in trajs
-             if k < len(tr.turns) for t in [tr.turns[k]]]
-    start = len(SAMPLES["kept"].get("turn", []))
-    record("turn", [t.prompt_text for _, t in turns], [t.response_text for _, t in turns],
-           [not t.response_ids or t.response_ids[-1] not in stops for _, t in turns])
-    for row, (tr, t) in zip(SAMPLES["kept"]["turn"][start:], turns):
-        row.update(task=tr.task, action=t.action, valid=t.valid, reward=t.reward)
-
-
-def sample_rows(update: int, d: Dist) -> tuple[dict, list[dict]]:
-    """Write rank 0's kept samples to samples.jsonl (by Run) and return the counts summed over ranks; reset. The
-    kinds are every rank's, in the order they were first recorded (a rank may have asked no role this update)."""
-    kinds = list(dict.fromkeys(k for part in C.all_gather_objects(list(SAMPLES["count"])) for k in part))
-    counts = global_sums({f"replies/{k}{x}": SAMPLES["count"].get(k, [0, 0])[i] for k in kinds
-                          for i, x in enumerate(("", "_capped"))}, d)
-    kept = [{"update": update, "kind": k, **x} for k in kinds for x in SAMPLES["kept"].get(k, [])]
-    reset_samples(SAMPLES["limit"])
-    return {k: v for k, v in counts.items() if counts[k.removesuffix("_capped")]}, kept  # the kinds this method has
 
 
 class Run:
@@ -582,7 +583,7 @@ class Run:
         self.bar = tqdm(total=total, initial=done, desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
         self.warned_off = False  # the rollout/trainer mismatch warning (end_update) is printed once
-        reset_samples(getattr(args, "log_samples", 0))  # (nothing recorded before the run counts)
+        self.replies = Replies(getattr(args, "log_samples", 0))  # what the policy and the endpoints wrote
 
     def _prepare(self):
         """Rank 0: --overwrite clears the earlier run, --resume finds its checkpoint and keeps the rows before it
@@ -677,7 +678,7 @@ class Run:
     def take_samples(self, row: dict, update: int):
         """Into `row`: the replies recorded since the last row, counted over ranks (record); rank 0's kept samples
         to samples.jsonl under `update` (-1: SEED's stage 1). Collective."""
-        counts, kept = sample_rows(update, self.d)
+        counts, kept = self.replies.rows(update, self.d)
         row.update(counts)
         if kept and self.d.main:
             with open(os.path.join(self.out, "samples.jsonl"), "a") as f:
@@ -896,8 +897,8 @@ def validate(update: int, args, engine, policy, evals, d: Dist, timer, context=N
 def padding_metrics(d: Dist) -> dict:
     """perf/padding_frac: the share of the tokens the scoring and training forwards computed that were padding,
     over all ranks since the last call (which resets the counts); perf/forward_tokens: how many they computed."""
-    real, computed = global_sum(C.FORWARD_TOKENS, d.device)
-    C.FORWARD_TOKENS[:] = [0, 0]
+    real, computed = global_sum(d.forward_tokens, d.device)
+    d.forward_tokens[:] = [0, 0]
     return {"perf/padding_frac": 1 - real / computed if computed else 0.0, "perf/forward_tokens": computed}
 
 

@@ -295,7 +295,7 @@ def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[A
     return Analysis(episode, steps), events
 
 
-def analyze(trajs, engine, args, client=None) -> tuple[list[Analysis | None], Counter]:
+def analyze(trajs, engine, args, client=None, log=None) -> tuple[list[Analysis | None], Counter]:
     """A(τ) for every trajectory (Alg. 1 l.12): an external endpoint if given, else θ_old itself; one bounded retry
     for replies without a usable analysis, then the trajectory gets no skill signal (counted as `failed`)."""
     first = [analyzer_prompt(tr, args.max_critical, args.record_chars) for tr in trajs]
@@ -306,7 +306,7 @@ def analyze(trajs, engine, args, client=None) -> tuple[list[Analysis | None], Co
         events["requests"] += len(pending)
         batch = [prompts[i] for i in pending]
         replies = harness.ask("analysis", batch, client, engine, 2 * args.max_prompt_len, args.analyzer_max_tokens,
-                              args.analyzer_temperature)
+                              args.analyzer_temperature, log)
         still = []
         for i, reply in zip(pending, replies):
             if reply is None:  # the endpoint failed after its own retries: counted in endpoint/analyzer/*, no re-ask
@@ -427,15 +427,15 @@ def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         # l.18: ℓ_old = log π_θold(y|h)
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        old = C.score(policy, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
         # π_ref, for β·KL (§3.4)
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
     skill = list(old)
     if args.lambda_skill > 0:
         rows = [i for i, s in enumerate(samples) if s.teacher_ids]
         with timer("teacher"):                                         # l.19: ℓ_skill = log π_θold(y | H(h, s))
             scored = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch,
-                             d.device, args.micro_batch_tokens, args.temperature)
+                             d, args.micro_batch_tokens, args.temperature)
         for i, lp in zip(rows, scored):
             skill[i] = lp
     return old, ref_lp, skill
@@ -542,12 +542,12 @@ def main(args: Args):
         with timer("rollout"):                                                       # l.7: G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
-        harness.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
+        run.replies.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
         with timer("analysis"):                                                      # l.12: A(τ)
             if args.lambda_skill == 0:  # plain GRPO: skills would be unused
                 analyses, events = [None] * len(trajs), Counter()
             else:
-                analyses, events = analyze(trajs, engine, args, client)
+                analyses, events = analyze(trajs, engine, args, client, run.replies)
         samples, adv, routes = build_samples(trajs, analyses, tok, args)            # l.8-10, 15-16
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         row = {"update": update, **opid_update(policy, ref, opt, samples, args, d, timer)}  # l.18-31

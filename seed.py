@@ -223,10 +223,11 @@ def cut_skill(tok, skill: str, max_tokens: int) -> str:
     return C.cut_to_tokens(tok, skill, max_tokens)
 
 
-def analyze(trajs, engine, args, client=None) -> list[str | None]:
+def analyze(trajs, engine, args, client=None, log=None) -> list[str | None]:
     """s_τ = A(x_τ) for every trajectory: an external endpoint if given, else the policy snapshot itself."""
     inputs = [trajectory_input(tr) for tr in trajs]
-    replies = harness.ask("analysis", inputs, client, engine, 2 * args.max_prompt_len, args.annotator_max_tokens, 0.0)
+    replies = harness.ask("analysis", inputs, client, engine, 2 * args.max_prompt_len, args.annotator_max_tokens, 0.0,
+                          log)
     return [parse_skill(r) for r in replies]
 
 
@@ -251,7 +252,7 @@ def run_stage1(args, d, base, tok, make_env, train_ids, run, engine) -> str:
     (n_all,) = C.global_sum([len(trajs)], d.device)  # every rank's, as every count printed or logged
     run.note(f"stage 1: annotating {int(n_all)} trajectories ({args.annotator_url or 'the policy itself'})")
     with timer("analysis"):
-        skills = analyze(trajs, engine, args, client)
+        skills = analyze(trajs, engine, args, client, run.replies)
     engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the SFT steps
     data = [(trajectory_input(tr), s) for tr, s in zip(trajs, skills) if s is not None]  # D_sft
     library = [{"family": tr.family, "won": tr.won, "skill": s} for tr, s in zip(trajs, skills) if s is not None]
@@ -344,7 +345,7 @@ def teacher_scores(policy, samples: list[Sample], idx, R, args, d) -> list[torch
     step comes after its last micro-batch). The baselines (baselines.baseline_update, as the SDAR code): called once
     per update before the mini-batches, at θ_old, then frozen."""
     rows = [i for i in idx if samples[i].teacher_ids]
-    lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d.device,
+    lp = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch, d,
                  args.micro_batch_tokens, args.temperature)
     out: list[torch.Tensor | None] = [None] * len(samples)
     for i, t in zip(rows, lp):
@@ -358,9 +359,9 @@ def seed_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         # ℓ_old: θ before the update
-        old = C.score(policy, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        old = C.score(policy, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
         # π_ref, for L_rl's KL
-        ref_lp = C.score(ref, P, R, args.micro_batch, d.device, args.micro_batch_tokens, args.temperature)
+        ref_lp = C.score(ref, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     adv_tok = [torch.full_like(old[i], s.adv) for i, s in enumerate(samples)]  # A_{q,n} broadcast to its tokens
@@ -472,14 +473,14 @@ def main(args: Args):
         with timer("rollout"):                                                       # l.9: G_q ~ π_θold
             trajs, cstats = C.collect(engine, make_train, tasks, args.group_size, args.max_prompt_len,
                                       args.max_response_len, args.temperature, args.top_p)
-        harness.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
+        run.replies.record_turns(trajs, engine.stops)  # --log_samples; replies/turn/capped
         with timer("analysis"):                                                      # l.13: s = A_θold(x_τ)
             if args.lambda_opd == 0:  # 'w/o OPD' ablation, GRPO: skills would be unused
                 skills = [None] * len(trajs)
             elif static is not None:
                 skills = library_skills(trajs, static, random.Random(update))
             else:
-                skills = analyze(trajs, engine, args)
+                skills = analyze(trajs, engine, args, log=run.replies)
         samples, adv = build_samples(trajs, skills, tok, args)                      # l.10-15
         engine.sleep()  # GPU: offload the engine's weights, free its KV cache for the update
         stats = seed_update(policy, ref, opt, samples, args, d, timer)               # l.16-29

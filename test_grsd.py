@@ -135,7 +135,7 @@ def run_update(d, tok, batch, sgd=False, engine_shift=None, **kw):
     """One grsd_update from the same tiny weights on this rank's groups (group % world == rank). Guidance comes from
     the real group_guidance with a scripted generate. With sgd=True the step is θ − clip(∇L) (lr 1), so the weights
     after it show the gradient itself (Adam's first step is ~lr·sign(∇L) and hides its size). The Â that the
-    update computed (modulated_advantages' output) is recorded."""
+    update computed (turn_advantages' output) is recorded."""
     args = make_args(lr=1e-3, **kw)
     trajs, refl = batch
     mine = [i for i, tr in enumerate(trajs) if tr.group % d.world == d.rank]  # whole groups per rank
@@ -148,24 +148,24 @@ def run_update(d, tok, batch, sgd=False, engine_shift=None, **kw):
     if engine_shift is not None:  # engine log-probs ℓ_old − c on every turn token, --rollout_is token
         args.rollout_is = "token"  # (set after resolve: the CLI allows it only with --engine vllm)
         old = C.score(models.load_model("tiny", 0), [s.prompt_ids for s in turns], [s.response_ids for s in turns], 8,
-                      d.device)
+                      d)
         for s, lp in zip(turns, old):
             s.engine_logp = (lp - engine_shift).tolist()
     policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)
     ref = models.shard(models.load_model("tiny", 0), d, bf16=False, trainable=False)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0) if sgd else \
         torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    seen, real = {}, grsd.modulated_advantages
+    seen, real = {}, grsd.turn_advantages
 
     def spy(*a, **k):
         seen["a_hat"], seen["delta"] = out = real(*a, **k)
         return out
-    grsd.modulated_advantages = spy
+    grsd.turn_advantages = spy
     try:
         random.seed(d.rank)  # the same mini-batch order in every call
         row = grsd.grsd_update(policy, ref, opt, turns, refls, args, d, harness.Timer())
     finally:
-        grsd.modulated_advantages = real
+        grsd.turn_advantages = real
     params = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
     return SimpleNamespace(row=row, params=params, turns=turns, refls=refls, adv=adv, mixed=mixed,
                            guidance=guidance, n_empty=n_empty, engine=engine, args=args, trajs=trajs, **seen)
@@ -556,7 +556,7 @@ def test_token_and_trajectory_modulation_by_hand(tok, batch, independent):
     for unit in ("turn", "token", "trajectory"):
         args = make_args(modulation=unit)
         turns, _ = grsd.build_samples(trajs, A_TASK, refl, {0: GUIDE, 1: None}, tok, args)
-        got, _ = grsd.modulated_advantages(turns, old, tea, args)
+        got, _ = grsd.turn_advantages(turns, old, tea, args)
         want = a_hat_by_hand(batch, independent, unit=unit)
         assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 1e-6, unit
         for a, i in zip(got, owner):
@@ -579,7 +579,7 @@ def test_token_and_trajectory_modulation_by_hand(tok, batch, independent):
         args = make_args(modulation=unit, lambda_mod=0.0)
         turns, _ = grsd.build_samples(trajs, A_TASK, refl, {0: GUIDE, 1: None}, tok, args)
         assert sum(s.teacher_ids is not None for s in turns) == 18
-        got, _ = grsd.modulated_advantages(turns, old, tea, args)
+        got, _ = grsd.turn_advantages(turns, old, tea, args)
         assert all(torch.equal(a, torch.full((len(s.response_ids),), s.adv)) for s, a in zip(turns, got))
 
 

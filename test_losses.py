@@ -207,7 +207,7 @@ def test_scoring_at_the_sampling_temperature_is_the_tempered_distribution():
     for T in (1.0, 0.4):
         logp, _ = C.sequence_logprobs(model, prompts, responses, "cpu", temperature=T)
         with one_rank() as d:  # score and minibatch_chunks agree their forward counts across ranks
-            scored = C.score(model, prompts, responses, 2, d.device, temperature=T)
+            scored = C.score(model, prompts, responses, 2, d, temperature=T)
             (m,) = list(C.minibatch_chunks(d, prompts, responses, [[0, 1]], temperature=T))
         trained, _ = m.logprobs(model)
         for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -228,15 +228,14 @@ def test_scoring_layout_is_as_wide_as_the_longest_sequence_and_counts_its_paddin
     max(len p + len r) = 8, not max len p + max len r = 11; the log-probs still equal lone unpadded forwards."""
     model = models.load_model("tiny", 0)
     prompts, responses = [[5, 6, 7, 8, 9, 10, 11], [10, 11]], [[12], [15, 16, 17, 18, 19]]
-    C.FORWARD_TOKENS[:] = [0, 0]
-    C.count_forward(prompts, responses)  # what score() and MicroBatch.logprobs add for this forward
+    tally = [0, 0]
+    C.count_forward(tally, prompts, responses)  # what score() and MicroBatch.logprobs add for this forward
     logp, mask = C.sequence_logprobs(model, prompts, responses, "cpu")
-    assert C.FORWARD_TOKENS == [15, 16] and mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert tally == [15, 16] and mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     for i, (p, r) in enumerate(zip(prompts, responses)):
         with torch.no_grad():
             lg = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float().log_softmax(-1)
         assert torch.allclose(logp[i, :len(r)], lg.gather(-1, torch.tensor(r)[:, None]).squeeze(-1), atol=1e-5)
-    C.FORWARD_TOKENS[:] = [0, 0]
 
 
 def test_minibatch_chunks_by_hand(d):
@@ -256,7 +255,7 @@ def test_minibatch_chunks_by_hand(d):
     teacher = [torch.tensor([-1.0]), None, torch.tensor([-2.0])]  # sample 1 has no teacher: zeros, has = 0
     assert got[0].rows(teacher).tolist() == [[0.0, 0.0]] and got[0].has(teacher).tolist() == [[0.0]]
     assert got[1].rows(teacher).tolist() == [[-1.0], [-2.0]] and got[1].has(teacher).tolist() == [[1.0], [1.0]]
-    dummy = C.MicroBatch("", [], [C.DUMMY[0]], [C.DUMMY[1]], 0.0, torch.device("cpu"))
+    dummy = C.MicroBatch("", [], [C.DUMMY[0]], [C.DUMMY[1]], 0.0, torch.device("cpu"), [0, 0])
     assert not dummy.real and dummy.rows(adv, dummy=1.0).tolist() == [[1.0]] and dummy.column(adv).tolist() == [[0.0]]
     assert dummy.has(teacher).tolist() == [[0.0]]
     assert C.global_sums({"a": 1.5, "b": 2.0}, d) == {"a": 1.5 * d.world, "b": 2.0 * d.world}
@@ -441,6 +440,27 @@ def test_grsd_turn_modulation_by_hand():
     assert a_hat[:4].tolist() == pytest.approx(want, abs=1e-6)
     assert q_hat[:4].tolist() == pytest.approx(qh, abs=1e-6)
     assert torch.equal(a_hat[4:], adv[4:]) and q_hat[4:].tolist() == [0.0, 0.0]
+
+
+def test_grsd_modulated_advantages_on_turn_tensors_by_hand():
+    """The estimator on [T] / [T, R] tensors (verl's shape): turns 0-1 of group 0 carry a guided teacher (Δ = 0.3 and
+    −0.1 by token means); turn 2 (group 1, no guidance) keeps A. Ĝ = 1 leaves turn 1 unclipped; padding stays 0."""
+    adv = torch.tensor([1.0, 1.0, -0.5])
+    diff = torch.tensor([[0.2, 0.4, 0.0], [-0.1, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    group, traj, has = torch.tensor([0, 0, 1]), torch.tensor([0, 0, 1]), torch.tensor([True, True, False])
+    u = [math.expm1(0.3), math.expm1(-0.1)]                             # Eq. (10), sign(A) = +1
+    d_x = (abs(u[0]) + abs(u[1])) / 2 + 1e-6
+    a1 = 1.0 * (1 + 0.5 * max(-1.0, min(1.0, u[1] / d_x)))               # Eq. (11): q̂ = u / D_x = −0.4277
+    a_hat = grsd.modulated_advantages(adv, diff, mask, group, traj, has, "turn", 0.5, 1.0, 1e-6)
+    assert a_hat.flatten().tolist() == pytest.approx([1.5, 1.5, 0.0, a1, 0.0, 0.0, -0.5, -0.5, -0.5], abs=1e-6)
+    # one Δ per trajectory: (0.2 + 0.4 − 0.1) / 3 over its 3 tokens, alone in its group: q̂ = u / (|u| + ε) ≈ 1
+    a_traj = grsd.modulated_advantages(adv, diff, mask, group, traj, has, "trajectory", 0.5, 1.0, 1e-6)
+    u = math.expm1(0.5 / 3)
+    a0 = 1 + 0.5 * u / (u + 1e-6)
+    assert a_traj.flatten().tolist() == pytest.approx([a0, a0, 0.0, a0, 0.0, 0.0, -0.5, -0.5, -0.5], abs=1e-6)
+    assert torch.equal(grsd.modulated_advantages(adv, diff, mask, group, traj, has, "turn", 0.0, 1.0, 1e-6),
+                       adv[:, None] * mask)                                   # λ = 0: Â = A bit for bit
 
 
 def test_grsd_turn_modulation_is_finite_for_huge_gaps():

@@ -121,8 +121,8 @@ def test_measure_on_scripted_trajectories(tok, d):
         assert skill
         for t in tr.turns:
             teacher = C.encode_prompt(tok, seed.inject_skill(t.prompt_text, skill), 2048)[0]
-            lt = C.score(policy, [teacher], [t.response_ids], 1, torch.device("cpu"))[0]
-            lo = C.score(policy, [t.prompt_ids], [t.response_ids], 1, torch.device("cpu"))[0]
+            lt = C.score(policy, [teacher], [t.response_ids], 1, C.Dist(0, 1, torch.device("cpu")))[0]
+            lo = C.score(policy, [t.prompt_ids], [t.response_ids], 1, C.Dist(0, 1, torch.device("cpu")))[0]
             deltas.append((lt - lo).mean().item())
             credits.append((a[i] + 0.01 * torch.sigmoid(5.0 * (lt - lo))).mean().item())
     assert [r["delta"] for r in seed_row["turn_rows"]] == pytest.approx(deltas, abs=1e-5)

@@ -75,7 +75,7 @@ def run_update(d, tok, trajs, analyses, sgd=False, engine_shift=None, **kw):
     if engine_shift is not None:  # (set after resolve: the CLI allows --rollout_is only with --engine vllm)
         args.rollout_is = "token"
         old = C.score(models.load_model("tiny", 0), [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                      8, d.device)
+                      8, d)
         for s, lp in zip(samples, old):
             s.engine_logp = (lp - engine_shift).tolist()
     policy = models.shard(models.load_model("tiny", 0), d, bf16=False, grad_ckpt=args.grad_ckpt)

@@ -160,7 +160,7 @@ def vllm_child(model_dir: str, out_path: str):
     out = {"greedy": engine.generate(prompts, 48, 0.0), "stops": engine.stops, "max_len": engine.max_len}
     ids, logps = engine.sample(prompts, 32, 1.0)
     hf = models.load_model(model_dir, 0)
-    out["diff"] = max(abs(a - b) for s, lp in zip(C.score(hf, prompts, ids, 8, d.device), logps)
+    out["diff"] = max(abs(a - b) for s, lp in zip(C.score(hf, prompts, ids, 8, d), logps)
                       for a, b in zip(s.tolist(), lp))
     json.dump(out, open(out_path, "w"))
     models.shutdown(engine)

@@ -230,7 +230,7 @@ def test_no_grad_scoring_builds_no_kv_cache(d, tok):
     model.register_forward_hook(lambda mod, args, kwargs, out: seen.append(
         (kwargs.get("use_cache"), out.past_key_values)), with_kwargs=True)
     with torch.no_grad():
-        C.score(model, [[1, 2, 3], [4, 5]], [[6, 7], [8]], 8, d.device)
+        C.score(model, [[1, 2, 3], [4, 5]], [[6, 7], [8]], 8, d)
     assert seen and all(u is False and kv is None for u, kv in seen)
 
 

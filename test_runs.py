@@ -585,20 +585,17 @@ def test_the_default_threads_are_half_the_cores_unless_omp_num_threads_says(monk
 
 
 def test_record_keeps_the_first_n_and_counts_every_capped_reply():
-    harness.reset_samples(2)
-    try:
-        harness.record("analysis", ["p1", "p2", "p3"], ["a", "b", "c"], [True, False, True])
-        harness.record("judge", ["q1"], ["3"], 1)  # an endpoint: a count from finish_reason, per reply unknown
-        with one_rank() as d:
-            counts, kept = harness.sample_rows(4, d)
-    finally:
-        harness.reset_samples(0)
+    log = harness.Replies(2)
+    log.record("analysis", ["p1", "p2", "p3"], ["a", "b", "c"], [True, False, True])
+    log.record("judge", ["q1"], ["3"], 1)  # an endpoint: a count from finish_reason, per reply unknown
+    with one_rank() as d:
+        counts, kept = log.rows(4, d)
     assert counts == {"replies/analysis": 3, "replies/analysis_capped": 2, "replies/judge": 1,
                       "replies/judge_capped": 1}
     assert kept == [{"update": 4, "kind": "analysis", "prompt_tail": "p1", "reply": "a", "capped": True},
                     {"update": 4, "kind": "analysis", "prompt_tail": "p2", "reply": "b", "capped": False},
                     {"update": 4, "kind": "judge", "prompt_tail": "q1", "reply": "3", "capped": None}]
-    assert all(v == [] for v in harness.SAMPLES["kept"].values())
+    assert log.kept == {} and log.count == {}  # emptied for the next update
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ def child(out_path: str):
     torch.manual_seed(1)
     ids, logps = engine.sample(prompts, 40, 1.0)
     out["sampled"], out["sampled_logp"] = ids, logps
-    out["scored"] = [t.tolist() for t in C.score(model, prompts, ids, 8, d.device)]
+    out["scored"] = [t.tolist() for t in C.score(model, prompts, ids, 8, d)]
     for tag, seed in (("a", 5), ("b", 5), ("c", 6)):
         torch.manual_seed(seed)
         out[f"seeded_{tag}"] = engine.generate(prompts, 24, 1.0)

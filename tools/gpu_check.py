@@ -280,14 +280,14 @@ def engine_section(model_dir: str, out_json: str):
 
     policy = models.shard(models.load_model(model_dir, 0), d, bf16)
     perturb(policy, 0.3, seed=0)
-    stale = mismatch(C.score(policy, prompts, ids0, 8, d.device), lp0)  # the engine has not seen the push yet
+    stale = mismatch(C.score(policy, prompts, ids0, 8, d), lp0)  # the engine has not seen the push yet
     t = time.perf_counter()
     engine.sync(policy)
     say(f"engine: perturbed the FSDP weights, sync {time.perf_counter() - t:.1f} s; {mem_note()}")
 
     torch.manual_seed(2)
     ids1, lp1 = engine.sample(prompts, n_new, 1.0)
-    synced = mismatch(C.score(policy, prompts, ids1, 8, d.device), lp1)
+    synced = mismatch(C.score(policy, prompts, ids1, 8, d), lp1)
     greedy1 = engine.generate(prompts, n_new, 0.0)
     changed = sum(a != b for a, b in zip(greedy0, greedy1))
     res.update(stale=stale, synced=synced, greedy_changed=changed)
@@ -340,7 +340,7 @@ def vllm_mismatch(model_dir: str, out_json: str):
     engine.sync(policy)  # the weights as a run pushes them (fp32 master → bf16)
     torch.manual_seed(1)
     ids, lps = engine.sample(prompts, 48, 1.0)
-    m = mismatch(C.score(policy, prompts, ids, 8, d.device), lps)
+    m = mismatch(C.score(policy, prompts, ids, 8, d), lps)
     with open(out_json, "w") as f:
         json.dump(m, f)
     models.shutdown(engine)
@@ -377,7 +377,7 @@ def hf_mismatch(model_dir: str) -> dict:
     ids = engine.generate(prompts, 48, 1.0)
     trainer = models.shard(models.load_model(model_dir, 0), d, bf16=True, trainable=False)
     fp32 = models.load_model(model_dir, 0).to(d.device).eval()
-    ell = {name: C.score(m, prompts, ids, 8, d.device) for name, m in
+    ell = {name: C.score(m, prompts, ids, 8, d) for name, m in
            (("engine", engine.model), ("trainer", trainer), ("fp32", fp32))}
     del engine, trainer, fp32
     models.release_memory()

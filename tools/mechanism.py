@@ -13,7 +13,7 @@ per-turn credit the method would apply in its first mini-batch (θ = θ_old) is 
   SEED          the coefficient on ∇ℓ_θ per token, A + λ_opd·σ(β_opd Δ), Eq. (1) at θ = θ_old (seed.build_samples)
   SDAR          the same with a library skill (SEED's Eq. (1), static library, teacher θ_old)
   OPID          A_OPID = A_ep + λ_skill (ℓ_skill − ℓ_old), critical-first routing (opid.build_samples, opid_advantages)
-  GRSD          Â = A (1 + λ q̂ m_x), Eq. (9)-(11) (grsd.build_samples, grsd.modulated_advantages)
+  GRSD          Â = A (1 + λ q̂ m_x), Eq. (9)-(11) (grsd.build_samples, grsd.turn_advantages)
   RLSD          Â_t = A ((1 − λ_t) + λ_t w_t) at update 1 (baselines.rlsd_advantages), library skill
 
 with Δ = ℓ_skill − ℓ_old per token: the log-prob of the same sampled token with and without the skill in context.
@@ -206,7 +206,7 @@ def credits(method: str, samples, old, tea, sa, oa, ga):
             out.append(a_opid[0])
         return out
     if method == "GRSD":  # Eq. (9)-(11)
-        return grsd.modulated_advantages(samples, old, [t if t is not None else o for o, t in zip(old, tea)], ga)[0]
+        return grsd.turn_advantages(samples, old, [t if t is not None else o for o, t in zip(old, tea)], ga)[0]
     lam = baselines.rlsd_lambda_at(0, 0.5, 100)  # RLSD at update 1, the SDAR code's λ_0 = 0.5, W = 100
     return [baselines.rlsd_advantages(s.adv, o, t, lam, 0.2) for s, o, t in zip(samples, old, tea)]
 
@@ -272,9 +272,10 @@ def measure(policy, tok, trajs, labels, room: str, oracle_url: str | None, libra
     t0 = time.time()
     replay_env = envs.HouseholdEnv("train", seed=MECH_SEED, max_steps=10_000, room=room)
     engine = models.HFEngine(policy, tok, torch.device("cpu"))
+    cpu = C.Dist(0, 1, torch.device("cpu"))  # one process, no process group
     P = [t.prompt_ids for tr in trajs for t in tr.turns]
     R = [t.response_ids for tr in trajs for t in tr.turns]
-    old = C.score(policy, P, R, micro_batch, torch.device("cpu"), micro_batch * (max_prompt + max_response))
+    old = C.score(policy, P, R, micro_batch, cpu, micro_batch * (max_prompt + max_response))
     starts = [action_start(tok, r) for r in R]
     meta = [(i, tr.won, g) for i, (tr, labs) in enumerate(zip(trajs, labels)) for g in labs]
     sa, oa, ga = method_args(room, max_prompt, max_response, micro_batch)
@@ -291,7 +292,7 @@ def measure(policy, tok, trajs, labels, room: str, oracle_url: str | None, libra
                                                 replay_env)
                 rows_t = [i for i, s in enumerate(samples) if s.teacher_ids]
                 scored = C.score(policy, [samples[i].teacher_ids for i in rows_t], [R[i] for i in rows_t], micro_batch,
-                                 torch.device("cpu"), micro_batch * (2 * max_prompt + max_response))
+                                 cpu, micro_batch * (2 * max_prompt + max_response))
                 tea = [None] * len(samples)
                 for i, lp in zip(rows_t, scored):
                     tea[i] = lp
