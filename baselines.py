@@ -150,10 +150,6 @@ def resolve(args: Args) -> Args:
             setattr(args, k, v)
     if args.max_steps is None:  # only the laptop preset leaves it open: at most 6 steps per episode
         args.max_steps = min(6, PAPER[args.env]["max_steps"])
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available()
-    if args.grad_ckpt is None:
-        args.grad_ckpt = torch.cuda.is_available()
     uses_library = (has_teacher(args) and not args.eval_only) or args.train_with_skills or args.eval_with_skills
     if uses_library and args.skill_library is None:
         if args.env not in LIBRARIES:

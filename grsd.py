@@ -146,10 +146,6 @@ def resolve(args: Args) -> Args:
             setattr(args, k, v)
     if args.reflection_max_tokens is None:
         args.reflection_max_tokens = args.max_response_len
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available()
-    if args.grad_ckpt is None:
-        args.grad_ckpt = torch.cuda.is_available()
     harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 
@@ -383,14 +379,11 @@ def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], 
 def group_norm(trajs, values, eps_adv: float) -> list[float]:
     """Norm_G (Eq. 1) within every rank-local group: A_i from rewards (Alg. 1 l.4), or A_ref from judge scores where
     None (⊥) marks an invalid entry: excluded from the statistics and given 0 (l.10-11)."""
-    out = [0.0] * len(trajs)
-    for g in sorted({tr.group for tr in trajs}):
-        members = [i for i, tr in enumerate(trajs) if tr.group == g]
-        v = torch.tensor([float(values[i]) if values[i] is not None else 0.0 for i in members])
-        valid = torch.tensor([values[i] is not None for i in members])
-        for i, a in zip(members, norm_g(v, eps_adv, valid).tolist()):
-            out[i] = a
-    return out
+    group = C.group_index(trajs)
+    v = C.by_group(torch.tensor([float(x) if x is not None else 0.0 for x in values]), group)
+    valid = C.by_group(torch.tensor([x is not None for x in values]), group)
+    normed = [norm_g(row, eps_adv, ok) for row, ok in zip(v, valid)]
+    return C.from_groups(torch.stack(normed), group).tolist() if normed else []
 
 
 def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: float, g_hat: float, eps_gap: float):
@@ -399,32 +392,20 @@ def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: floa
     turn has no teacher); mask [T, R]: its real tokens; group [T]: each turn's group 0..G−1; traj [T]: its
     trajectory; has [T]: the turn has a teacher context (exactly the turns of groups with m_x = 1 and a z_x).
     A unit shares one Δ and one Â: a turn (Eq. 9), or a token / a whole trajectory (the Table 2 variants)."""
-    a_hat = adv[:, None] * mask
     if lam == 0 or not bool(has.any()):
-        return a_hat
-    n, tok_sum = mask.sum(1), (diff.double() * mask).sum(1)
-    mixed = torch.zeros(int(group.max()) + 1, dtype=torch.bool)
-    mixed[group[has]] = True                                                         # m_x: z_x exists
-    if unit == "token":   # each token its own Δ
-        real = mask.bool()
-        a_u = turn_modulation(adv[:, None].expand_as(mask)[real], diff[real], group[:, None].expand_as(mask)[real],
-                              mixed, lam, g_hat, eps_gap)[0]
-        a_hat[real] = a_u
-    elif unit == "turn":  # Eq. (9): Δ = mean over the turn's tokens
-        real = n > 0
-        a_u = turn_modulation(adv[real], (tok_sum[real] / n[real]).float(), group[real], mixed, lam, g_hat, eps_gap)[0]
-        a_hat[real] = a_u[:, None] * mask[real]
-    else:                 # one Δ over all the trajectory's tokens
-        ids, of = torch.unique(traj, return_inverse=True)
-        first = torch.zeros(len(ids), dtype=torch.long).scatter_reduce(0, of, torch.arange(len(of)), "amin",
-                                                                        include_self=False)
-        t_sum = torch.zeros(len(ids), dtype=torch.float64).index_add(0, of, tok_sum)
-        t_n = torch.zeros(len(ids), dtype=torch.float64).index_add(0, of, n.double())
-        real = t_n > 0
-        a_u = torch.zeros(len(ids))
-        a_u[real] = turn_modulation(adv[first][real], (t_sum[real] / t_n[real]).float(), group[first][real], mixed,
-                                    lam, g_hat, eps_gap)[0]
-        a_hat = a_u[of][:, None] * mask
+        return adv[:, None] * mask
+    real = mask.bool()
+    at_tokens = lambda x: x[:, None].expand_as(mask)[real]  # noqa: E731  (a [T] value at each real token)
+    key = {"token": torch.arange(int(real.sum())), "turn": at_tokens(torch.arange(len(adv))),
+           "trajectory": at_tokens(traj)}[unit]
+    ids, u = torch.unique(key, return_inverse=True)                          # each real token's unit
+    per_unit = lambda x: torch.zeros(len(ids), dtype=x.dtype).scatter(0, u, at_tokens(x))  # noqa: E731  (shared)
+    total = torch.zeros(len(ids), dtype=torch.float64).index_add(0, u, diff[real].double())
+    mixed = torch.zeros(int(group.max()) + 1, dtype=torch.bool).index_fill(0, group[has], True)  # m_x: it has z_x
+    delta = (total / torch.bincount(u).double()).float()                    # Eq. (9): mean over the unit's tokens
+    a_unit = turn_modulation(per_unit(adv), delta, per_unit(group), mixed, lam, g_hat, eps_gap)[0]
+    a_hat = torch.zeros_like(mask)
+    a_hat[real] = a_unit[u]
     return a_hat
 
 
@@ -436,9 +417,8 @@ def turn_advantages(turns: list[Sample], old, tea, args):
     lens, diffs = [len(s.response_ids) for s in turns], [t - o for t, o in zip(tea, old)]
     mask, diff = C.pad_right([torch.ones(n) for n in lens], "cpu"), C.pad_right(diffs, "cpu")
     group = torch.unique(torch.tensor([s.group for s in turns]), return_inverse=True)[1]
-    a_hat = modulated_advantages(torch.tensor([s.adv for s in turns]), diff, mask, group,
-                                 torch.tensor([s.traj for s in turns]),
-                                 torch.tensor([s.teacher_ids is not None for s in turns]), args.modulation,
+    traj, has = torch.tensor([s.traj for s in turns]), torch.tensor([s.teacher_ids is not None for s in turns])
+    a_hat = modulated_advantages(torch.tensor([s.adv for s in turns]), diff, mask, group, traj, has, args.modulation,
                                  args.lambda_mod, args.g_hat, args.eps_gap)
     delta = [x.mean().item() for x, s in zip(diffs, turns) if s.teacher_ids is not None and len(x)]
     return [a[:n] for a, n in zip(a_hat, lens)], torch.tensor(delta if args.lambda_mod else [])
@@ -456,12 +436,10 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
         r_old = dict(zip(live, C.score(policy, [RP[j] for j in live], [RR[j] for j in live], args.micro_batch,  # θ_old
                                        d, args.micro_batch_tokens, args.temperature)))  # reflection tokens
     rows = [j for j, s in enumerate(turns) if s.teacher_ids]
-    tea = list(old)
     with timer("teacher"):                                                          # Eq. (9): ℓ_tea under θ̄
-        scored = C.score(policy, [turns[j].teacher_ids for j in rows], [R[j] for j in rows], args.micro_batch,
-                         d, args.micro_batch_tokens, args.temperature)
-    for j, lp in zip(rows, scored):
-        tea[j] = lp
+        scored = dict(zip(rows, C.score(policy, [turns[j].teacher_ids for j in rows], [R[j] for j in rows],
+                                        args.micro_batch, d, args.micro_batch_tokens, args.temperature)))
+    tea = [scored.get(j, lp) for j, lp in enumerate(old)]                           # ℓ_stu without a z_x
     adv, delta_turn = turn_advantages(turns, old, tea, args)
     engine_lp = [s.engine_logp for s in turns]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
@@ -503,9 +481,9 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                          "delta_n": float(delta_turn.numel()), "shift_abs": (a_hat - a_plain).abs().sum().item(),
                          "adv_n": float(a_hat.numel())}, d)
     pg, kl, lref, n_tok = tot["pg"], tot["kl"], tot["ref"], tot["tokens"]
-    lo, hi = (w_ratio.min().item(), w_ratio.max().item()) if w_ratio.numel() else (math.inf, -math.inf)
-    w_lo = C.all_reduce(torch.tensor([lo], device=d.device), ReduceOp.MIN).item()  # ranks without A ≠ 0 are neutral
-    w_hi = C.all_reduce(torch.tensor([hi], device=d.device), ReduceOp.MAX).item()
+    lo_hi = [-w_ratio.min().item(), w_ratio.max().item()] if w_ratio.numel() else [-math.inf, -math.inf]
+    neg_lo, w_hi = C.all_reduce(torch.tensor(lo_hi, device=d.device), ReduceOp.MAX).tolist()  # no A ≠ 0: neutral
+    w_lo = -neg_lo
     return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref / n_mb,
             "losses/total": (pg + args.beta_kl * kl + args.alpha * lref) / n_mb,
             "grsd/delta_mean": tot["delta"] / max(tot["delta_n"], 1),  # Fig. 3b, per turn

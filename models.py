@@ -106,7 +106,7 @@ Task outcome: success failure reward invalid action episode step the a an of in 
 
 def build_tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 1024):
     """Byte-level BPE with Qwen2's pre-tokenizer regex and NFC, ChatML template, learned from the
-    agent-vocabulary corpus above, plus `texts` when given (tools/experiment.py's backbone learns it from household text)."""
+    agent-vocabulary corpus above, plus `texts` when given (tools/backbone.py learns it from household text)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX

@@ -52,7 +52,6 @@ Deviations / choices:
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 import time
@@ -130,10 +129,6 @@ def resolve(args: Args) -> Args:
     for k, v in PAPER[args.env].items():  # the rest (|C_τ| max, β) are the paper's also on a laptop
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available()
-    if args.grad_ckpt is None:
-        args.grad_ckpt = torch.cuda.is_available()
     harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads
     return args
 

@@ -122,10 +122,6 @@ def resolve(args: Args) -> Args:
             setattr(args, k, v)
     if args.max_steps is None:  # only the laptop preset leaves it open: at most 6 steps per episode
         args.max_steps = min(6, PAPER[args.env]["max_steps"])
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available()
-    if args.grad_ckpt is None:  # Qwen2.5-3B: ~95 GiB of activations for 8 × 2560 tokens without it
-        args.grad_ckpt = torch.cuda.is_available()
     if args.skill_source == "static" and args.skip_sft:
         raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
     harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads

@@ -10,7 +10,24 @@ import models
 import grsd
 import opid
 import seed
-from conftest import one_rank
+
+
+@pytest.fixture(scope="module")
+def d():
+    """The 1-rank gloo group of `python seed.py` (the one pytest already holds, if any; else formed here and torn down
+    again with the environment restored), for the few checks that run a collective. tests/conftest.py's `d` does the
+    same for tests/; this file stands alone beside the method files."""
+    import os
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield C.Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+        return
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    yield models.init_distributed(seed=0)
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def sig(x):
@@ -198,7 +215,7 @@ def test_left_padded_scoring_matches_unpadded_forward():
 
 
 
-def test_scoring_at_the_sampling_temperature_is_the_tempered_distribution():
+def test_scoring_at_the_sampling_temperature_is_the_tempered_distribution(d):
     """--temperature T ≠ 1: ℓ is log softmax(z / T)[a], the distribution the engine sampled from (verl's actor divides
     the logits by the rollout temperature), in sequence_logprobs, score and a training micro-batch alike; T = 1 is
     the model's own log-probs."""
@@ -206,9 +223,8 @@ def test_scoring_at_the_sampling_temperature_is_the_tempered_distribution():
     prompts, responses = [[5, 6, 7, 8, 9], [10, 11]], [[12, 13, 14], [15]]
     for T in (1.0, 0.4):
         logp, _ = C.sequence_logprobs(model, prompts, responses, "cpu", temperature=T)
-        with one_rank() as d:  # score and minibatch_chunks agree their forward counts across ranks
-            scored = C.score(model, prompts, responses, 2, d, temperature=T)
-            (m,) = list(C.minibatch_chunks(d, prompts, responses, [[0, 1]], temperature=T))
+        scored = C.score(model, prompts, responses, 2, d, temperature=T)  # (d: they agree forward counts over ranks)
+        (m,) = list(C.minibatch_chunks(d, prompts, responses, [[0, 1]], temperature=T))
         trained, _ = m.logprobs(model)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             with torch.no_grad():

@@ -1,10 +1,10 @@
 """Cost of SEED, OPID and GRSD against GRPO, measured in one invocation (GRSD Table 6 reports s/update ratios).
 
-  python tools/bench.py                                                  # household, offline tiny model, 5 rounds
-  python tools/bench.py --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 --out runs/bench_alfworld
-  python tools/bench.py --smoke                                          # 1 round, tiny settings (what CI runs)
+  python -m tools.bench                                                  # household, offline tiny model, 5 rounds
+  python -m tools.bench --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 --out runs/bench_alfworld
+  python -m tools.bench --smoke                                          # 1 round, tiny settings (what CI runs)
 
-1. An endpoint: experiment.py's oracle, an OpenAI-compatible HTTP server on localhost, plays SEED's stage-1
+1. An endpoint: tools/oracle.py's oracle, an OpenAI-compatible HTTP server on localhost, plays SEED's stage-1
    annotator, OPID's analyzer and GRSD's judge (on ALFWorld it cannot replay the game and answers from the task line:
    still well-formed, so OPID's teacher and GRSD's judge still run).
 2. A shared start: SEED's own stage 1 (seed.py: the policy's rollouts annotated by the oracle, hindsight-skill SFT)
@@ -58,10 +58,10 @@ import time
 
 import torch
 
+import models
+from tools import experiment, oracle
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]  # the method files live one folder up
-import experiment  # noqa: E402
-import models  # noqa: E402
 
 METHODS = ("grpo", "seed", "opid", "grsd")
 PHASES = ("sync", "rollout", "analysis", "reflection", "judge", "guidance", "scoring", "teacher", "update")
@@ -304,8 +304,8 @@ def main(argv_=None):
     if a.smoke:
         a.rounds, a.tasks, a.group, a.max_steps, a.sft_epochs = 1, 2, 2, 3, 2
     os.makedirs(a.out, exist_ok=True)
-    oracle = experiment.Oracle((0,))
-    server = experiment.serve_oracle(oracle)
+    served = oracle.Oracle((0,))
+    server = oracle.serve_oracle(served)
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     shared = settings(a)
     start = os.path.join(a.out, "start")
@@ -334,9 +334,9 @@ def main(argv_=None):
         f.write(text + "\n")
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump({"settings": shared, "rounds": a.rounds, "threads": a.threads, "calibration": cal,
-                   "oracle": oracle.stats, "wall_s": time.time() - t0, "methods": summary}, f, indent=1)
+                   "oracle": served.stats, "wall_s": time.time() - t0, "methods": summary}, f, indent=1)
     print(text)
-    print(f"[bench] {time.time() - t0:.0f} s; oracle {dict(sorted(oracle.stats.items()))}; wrote {a.out}/bench.md, "
+    print(f"[bench] {time.time() - t0:.0f} s; oracle {dict(sorted(served.stats.items()))}; wrote {a.out}/bench.md, "
           f"bench.json")
 
 

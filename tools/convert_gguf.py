@@ -7,8 +7,8 @@ member is read. transformers dequantises a GGUF to fp32 when it loads it (needs 
 requirements.txt); `save_pretrained` refuses a GGUF-loaded model, so the weights are copied into a model built from
 the same config without its `quantization_config`.
 
-  python tools/convert_gguf.py                      # SmolLM2-135M-Instruct into the cache; prints the directory
-  python tools/convert_gguf.py --gguf F.gguf --out DIR
+  python -m tools.convert_gguf                      # SmolLM2-135M-Instruct into the cache; prints the directory
+  python -m tools.convert_gguf --gguf F.gguf --out DIR
 
 The directory is cached: a second call returns it at once (it is complete when `converted.json` exists, which is
 written last). The weights are the Q4_1 values dequantised, so the model is a 4-bit-rounded SmolLM2: a real

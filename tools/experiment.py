@@ -3,41 +3,23 @@ warm-started backbone, then GRPO and SEED / OPID / GRSD against it at the same r
 the learning rate chosen on development layouts. docs/experiment.md is the write-up; docs/results/ holds what the
 report is made from.
 
-  python tools/experiment.py                 # all of it, in this order (each step resumes / skips what is done):
-  python tools/experiment.py backbone        # 1. the warm start, 2 stages -> runs/experiment/backbone (HF checkpoint;
+  python -m tools.experiment                 # all of it, in this order (each step resumes / skips what is done):
+  python -m tools.experiment backbone        # 1. the warm start, 2 stages -> runs/experiment/backbone (HF checkpoint;
                                              #    a copy is committed in docs/results/backbone, used when that is absent)
-  python tools/experiment.py mechanism       # 5. per-turn credit vs ground truth -> docs/results/mechanism.{json,md}
-  python tools/experiment.py hints           #    success with / without a true hint -> docs/results/hints.json
-  python tools/experiment.py dev             # 3a. GRPO lr probes on the dev layouts (seeds 100-101)
-  python tools/experiment.py runs            # 3b. backbone evals + 4 methods x 5 seeds at the dev probes' best lr
-  python tools/experiment.py scaled          # 3c. the labelled scaled-coefficient arm (SCALED): dev check, 5 seeds
-  python tools/experiment.py learn-dev       # 3d. the learning regime's candidates: GRPO on the dev layouts (LEARN_DEV)
-  python tools/experiment.py learn           # 3e. the frozen regime (LEARN_PICK): 4 methods x 5 seeds, run by run
-  python tools/experiment.py curve           #     one GRPO learning curve on layout 0 -> <out>/curve.png (README)
-  python tools/experiment.py report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
-  python tools/experiment.py oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
-  python tools/experiment.py --smoke         # a 1-update version of everything into <out>/results (test_experiment.py)
+  python -m tools.experiment mechanism       # 5. per-turn credit vs ground truth -> docs/results/mechanism.{json,md}
+  python -m tools.experiment hints           #    success with / without a true hint -> docs/results/hints.json
+  python -m tools.experiment dev             # 3a. GRPO lr probes on the dev layouts (seeds 100-101)
+  python -m tools.experiment runs            # 3b. backbone evals + 4 methods x 5 seeds at the dev probes' best lr
+  python -m tools.experiment scaled          # 3c. the labelled scaled-coefficient arm (SCALED): dev check, 5 seeds
+  python -m tools.experiment learn-dev       # 3d. the learning regime's candidates: GRPO on the dev layouts (LEARN_DEV)
+  python -m tools.experiment learn           # 3e. the frozen regime (LEARN_PICK): 4 methods x 5 seeds, run by run
+  python -m tools.experiment curve           #     one GRPO learning curve on layout 0 -> <out>/curve.png (README)
+  python -m tools.experiment report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
+  python -m tools.experiment oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
+  python -m tools.experiment --smoke         # a 1-update version of everything into <out>/results (tests/test_experiment.py)
 
-1. Backbone: a stand-in for an instruction-tuned LLM. A 4-layer Qwen2-style model (hidden 256, 3.5 M parameters)
-   with a byte-level BPE trained on household text (Qwen2's pre-tokenizer), behaviour-cloned on train tasks only
-   (layout seeds the runs never use): acting in the <think>/<action> format, where an unhinted prompt is labelled
-   by a searching expert that knows only what it has seen (search_action) and a prompt with a true hint in one of
-   the three methods' skill / guidance formats by the env's privileged expert, which follows the hint; plus SEED
-   skills, GRSD reflections and GRSD guidance written from the searcher's trajectories. Each acting response
-   restates the task word for word before reasoning (reasoned_response). AdamW, lr 1e-3 flat for 1,500 steps then
-   a cosine to 1e-4 at 3,000 (bc_lr); stage 1 stops at the first check with 20-40 % held-out success (else it keeps
-   its best check) -> runs/experiment/backbone_clone. Stage 2 (skill reading) continues from there with
-   hindsight-hinted pairs added (hindsight_hinted: the states of the searcher's own noisy episodes, each prompt
-   carrying what an analyzer writes about that episode, labelled by the privileged expert) for at least 750 steps,
-   to the next check with 20-40 % success: without it the skills barely moved the backbone's log-probabilities
-   (oracle Δ-AUC 0.55-0.63, docs/experiment.md). Each stage resumes from its last check when run again.
-2. External models: an ORACLE STAND-IN for the papers' GLM-5.2 / DeepSeek annotator, analyzer and judge. It is an
-   OpenAI-compatible HTTP endpoint that parses the trajectory it is sent, finds the task and replays the actions
-   in the privileged household env, and writes from the replay: SEED hindsight skills, OPID's JSON (episode skill
-   + step skills for the critical steps) and 0-3 judge scores of reflections. Its texts state only what the
-   trajectory shows or implies (where objects were seen, which step went wrong, what was never searched); the
-   privileged state checks those statements and never adds a fact the trajectory does not contain. A trajectory
-   it cannot replay gets a generic text from the task alone (counted in /stats).
+1. Backbone: tools/backbone.py (warm start, 2 stages).
+2. External models: tools/oracle.py (the oracle stand-in endpoint).
 3. Runs: GRPO (seed.py --skip_sft --lambda_opd 0), SEED (both stages; the oracle annotates stage 1, the policy
    analyzes in stage 2), OPID (oracle analyzer), GRSD (policy reflections, oracle judge); the same env, tasks per
    update, group size, updates, learning rate, KL and seeds; eval on valid_seen (all 120 tasks; valid_unseen, 0 %
@@ -50,13 +32,6 @@ report is made from.
    seed 7) against the privileged per-turn ground truth, per skill source (oracle, the policy itself, a library).
 
 Deviations / choices:
-  * The oracle's skills name receptacles and objects with their numbers ("the mug 1 was on the countertop 2"):
-    grounding a household skill needs them, although SEED's analyzer prompt asks for no object numbers.
-  * The household env's own expert is privileged (it walks straight to the object). Cloned without hints it taught
-    a guess of where things are (0 % held-out success after 400 steps), so unhinted prompts are labelled by
-    search_action instead; the privileged expert labels only prompts whose hint tells it what it knows.
-  * The warm-start responses spell out the facts their action rests on (reasoned_response); the method runs use
-    the env and the methods exactly as they are.
   * The runs use the small household room (--household_room small, envs.make_household_task): a 3.5 M model does
     not learn to search a full room (the earlier backbone: 5-10 % valid_seen success, too few wins for GRPO).
   * The run budget (Budget) is far below Table 5 (10 updates of 8 tasks x 4 rollouts); the learning rate and KL
@@ -70,743 +45,22 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
-import re
 import shutil
 import sys
 import threading
 import time
 import dataclasses
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
+from dataclasses import dataclass
+
+import envs
+
+from tools.backbone import HINT_STYLES, hinted_prompt, play, warm_start
+from tools.oracle import Oracle, replay, serve_oracle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the method files and the modules they share live one folder up
-import envs  # noqa: E402
-from envs import APPLIANCE, OPENABLE, TREATMENT, kind
-
 OUT = "runs/experiment"
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# 1. Hindsight facts of one household trajectory: replay its actions in the privileged env, keep what it showed
-# ------------------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Facts:
-    task: str
-    family: str
-    otype: str                      # the object type the task needs
-    rtype: str                      # the receptacle type it goes to
-    won: bool
-    actions: list                   # per step: the action, or None for an invalid step
-    targets_seen: dict = field(default_factory=dict)   # object name -> (first 0-based step it was seen at, where)
-    lamp_seen: str | None = None    # where the desklamp was seen, if it was
-    visited: list = field(default_factory=list)        # receptacles the agent went to, in order
-    searched: list = field(default_factory=list)       # receptacles whose contents an observation showed, in order
-    unexplored: list = field(default_factory=list)     # receptacles whose contents were never shown
-    wrong_takes: list = field(default_factory=list)    # (step, object) of other types picked up
-    repeats: list = field(default_factory=list)        # steps that repeated the previous action
-    took: list = field(default_factory=list)           # (step, object, receptacle) of target objects taken
-    treated: int | None = None      # step of the clean / heat / cool of a target object
-    placed: int | None = None       # step the (last) target object was put on the goal receptacle
-    target_rec: str = ""            # the goal receptacle to name (the room listing shows every receptacle)
-
-
-OBJECT_RE = re.compile(r"\b([a-z]+) (\d+)\b")
-
-
-def replay(env: envs.HouseholdEnv, task_id: str, actions: list) -> tuple[Facts, list[str]]:
-    """Play `actions` (None = an invalid step) from the start of task_id; returns the facts and the observations."""
-    env.reset(task_id)
-    s = env.spec
-    f = Facts(env.task, env.family, s["otype"], s["rtype"], False, list(actions))
-    f.target_rec = next(r for r in s["receptacles"] if kind(r) == s["rtype"])
-    observations, prev = [], None
-    for t, action in enumerate(actions):
-        response = envs.format_expert_response(action, "household") if action else "(no action)"
-        obs, _, done, info = env.step(response)
-        observations.append(obs)
-        if action is not None and not info["valid"]:
-            raise ValueError(f"step {t}: {action!r} is not admissible in the replay")
-        if action is None:
-            continue
-        verb = action.split()[0]
-        if action == prev:
-            f.repeats.append(t)
-        prev = action
-        if verb == "go":
-            f.visited.append(action[len("go to "):])
-        if verb in ("go", "open", "examine") and contents_shown(env):
-            f.searched = [r for r in f.searched if r != env.loc] + [env.loc]  # its contents are in this observation
-        for name, num in OBJECT_RE.findall(obs):  # what this observation showed, checked against the state
-            obj = f"{name} {num}"
-            where = env.objects.get(obj, {}).get("loc")
-            if name == s["otype"] and where not in (None, "hand") and obj not in f.targets_seen:
-                f.targets_seen[obj] = (t, where)
-            if obj == "desklamp 1" and env.loc == s["lamp_at"]:
-                f.lamp_seen = f.lamp_seen or env.loc
-        if verb == "take":
-            obj, rec = action[len("take "):].split(" from ")
-            if env.objects[obj]["type"] == s["otype"]:
-                f.took.append((t, obj, rec))
-            else:
-                f.wrong_takes.append((t, obj))
-        if verb == TREATMENT.get(f.family) and env.objects[env.holding]["type"] == s["otype"]:
-            f.treated = t  # the treatment the task needs (a stray "clean" in a pick-and-place task is not one)
-        if verb == "move":
-            obj, rec = action[len("move "):].split(" to ")
-            if env.objects[obj]["type"] == s["otype"] and kind(rec) == s["rtype"]:
-                f.placed, f.target_rec = t, rec
-        if done:
-            break
-    f.won = env.won
-    f.unexplored = [r for r in s["receptacles"] if r not in f.searched and kind(r) != s["rtype"]]
-    return f, observations
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The oracle's texts, written from the facts only
-# ------------------------------------------------------------------------------------------------------------------
-
-def plan_from(f: Facts, obj: str, rec: str) -> list[str]:
-    """The grounded workflow once `obj` is known to be at `rec`: commands the agent would type."""
-    steps = [f"go to {rec}"] + ([f"open {rec}"] if kind(rec) in OPENABLE else []) + [f"take {obj} from {rec}"]
-    need = TREATMENT.get(f.family)
-    if need:
-        steps += [f"go to {APPLIANCE[need]}", f"{need} {obj} with {APPLIANCE[need]}"]
-    if f.family == "look_at_obj_in_light":
-        steps += [f"go to {f.lamp_seen}", "use desklamp 1"] if f.lamp_seen else ["find the desklamp and use it"]
-    else:
-        steps += [f"go to {f.target_rec}", f"move {obj} to {f.target_rec}"]
-    return steps
-
-
-def first_target(f: Facts):
-    """(object, receptacle, step) of the first target object the trajectory showed, else None."""
-    if not f.targets_seen:
-        return None
-    obj, (t, rec) = min(f.targets_seen.items(), key=lambda kv: kv[1][0])
-    return obj, rec, t
-
-
-def sentence(steps: list[str]) -> str:
-    return ", then ".join(steps) + "."
-
-
-def seed_skill(f: Facts) -> str:
-    """SEED's hindsight skill: 'Workflow: …' after a success, 'Avoid …' after a failure; at most three sentences."""
-    seen = first_target(f)
-    if f.won and seen:
-        obj, rec, _ = seen
-        return f"Workflow: the {obj} was at the {rec}. " + sentence(plan_from(f, obj, rec)).capitalize()
-    if seen:
-        obj, rec, t = seen
-        return (f"Avoid wandering after the {f.otype} is found: the {obj} was seen at the {rec} at step {t + 1}. "
-                + sentence(plan_from(f, obj, rec)).capitalize())
-    searched = ", ".join(f.searched[-4:]) or "nothing"
-    nxt = ", ".join(f.unexplored[:3]) or f.target_rec
-    text = f"Avoid searching the same places again: no {f.otype} was at {searched}. Search {nxt} next."
-    if sum(a is None for a in f.actions) > len(f.actions) / 3:
-        text += " Write exactly one admissible action inside <action> </action> every step."
-    return text
-
-
-def step_skills(f: Facts, k: int) -> dict[int, str]:
-    """OPID's critical steps (0-based) with one imperative instruction each, at most k."""
-    out: dict[int, str] = {}
-    seen = first_target(f)
-    for t, a in enumerate(f.actions):
-        if a is None:
-            out.setdefault(t, "Write exactly one admissible action inside <action> </action>.")
-    for t, obj in f.wrong_takes:
-        out.setdefault(t, f"Do not pick up the {obj}: the task needs a {f.otype}.")
-    if seen:
-        obj, rec, t_seen = seen
-        took = [t for t, o, _ in f.took if o == obj]
-        if took:
-            out.setdefault(took[0], f"Take the {obj} from the {rec}: it is what the task needs.")
-        else:  # the first step after seeing it that did not take it
-            t = t_seen + 1
-            if t < len(f.actions):
-                out.setdefault(t, f"Take the {obj} from the {rec} now: you have found it.")
-    elif f.repeats:
-        nxt = f.unexplored[0] if f.unexplored else f.target_rec
-        out.setdefault(f.repeats[0], f"Do not repeat the last action; go to {nxt}, which is not searched yet.")
-    if f.treated is not None:
-        need = TREATMENT[f.family]
-        out.setdefault(f.treated, f"{need.capitalize()} the {f.otype} with the {APPLIANCE[need]} before placing it.")
-    return dict(sorted(out.items())[:k])
-
-
-def opid_analysis(f: Facts, k: int) -> str:
-    return json.dumps({"episode_skill": seed_skill(f), "step_skills": {str(t): s for t, s in step_skills(f, k).items()}})
-
-
-def reflection(f: Facts) -> str:
-    """A GRSD reflection (three numbered points tied to turns): the text the backbone learns to write."""
-    seen, points = first_target(f), []
-    if f.won and seen:
-        obj, rec, _ = seen
-        t_take = next((t for t, o, _ in f.took if o == obj), None)
-        points.append(f"At turn {(t_take or 0) + 1} I took the {obj} from the {rec}; go there first.")
-        if f.treated is not None:
-            need = TREATMENT[f.family]
-            points.append(f"At turn {f.treated + 1} I used the {APPLIANCE[need]} to {need} it; keep that step.")
-        else:
-            points.append(f"I carried the {obj} straight to where the task needed it; do not detour.")
-        end = f.placed if f.placed is not None else len(f.actions) - 1
-        points.append(f"At turn {end + 1} the task was done with {f.target_rec if f.placed is not None else 'the desklamp'}; "
-                      "repeat this order.")
-    else:
-        bad = [t for t, a in enumerate(f.actions) if a is None]
-        if f.wrong_takes:
-            t, obj = f.wrong_takes[0]
-            points.append(f"At turn {t + 1} I took the {obj}, which the task does not need; take a {f.otype}.")
-        elif bad:
-            points.append(f"At turn {bad[0] + 1} my reply was invalid; write one admissible action in <action> </action>.")
-        else:
-            points.append(f"I searched {', '.join(f.searched[-3:]) or 'nowhere'} and ran out of steps.")
-        if seen:
-            obj, rec, t = seen
-            points.append(f"The {obj} was at the {rec} at turn {t + 1}; go there and take it.")
-            points.append("Then " + sentence(plan_from(f, obj, rec)[2:] or ["finish the task"]))
-        else:
-            points.append(f"No {f.otype} was at {', '.join(f.searched[-3:]) or 'the start'}; search "
-                          f"{', '.join(f.unexplored[:2]) or f.target_rec} next.")
-            points.append("Do not repeat actions; every step should open or visit a new place.")
-    return "\n".join(f"{i}. {p}" for i, p in enumerate(points[:3], 1))
-
-
-def guidance(task: str, good: list[Facts], bad: list[Facts]) -> str:
-    """GRSD group guidance z_x (DO / AVOID bullets) from the facts behind the reflections it contrasts."""
-    do = []
-    for f in good:
-        seen = first_target(f)
-        if seen:
-            do.append(f"- Go to the {seen[1]} and take the {seen[0]}.")
-            do += [f"- {s[0].upper() + s[1:]}." for s in plan_from(f, seen[0], seen[1])[3:]]
-            break
-    do = (do or [f"- Find a {good[0].otype if good else 'target object'} and finish the task."])[:4]
-    avoid = []
-    for f in bad:
-        if f.wrong_takes:
-            avoid.append(f"- Do not pick up the {f.wrong_takes[0][1]}.")
-        if any(a is None for a in f.actions):
-            avoid.append("- Do not write invalid actions.")
-        if f.repeats:
-            avoid.append("- Do not repeat the same action.")
-        avoid.append("- Do not run out of steps searching.")
-    avoid = list(dict.fromkeys(avoid))[:3]
-    return "### DO\n" + "\n".join(do) + ("\n### AVOID\n" + "\n".join(avoid) if bad else "")
-
-
-TURN_RE = re.compile(r"\bturn (\d+)\b", re.I)
-
-
-def judge_score(f: Facts, reflection_text: str, shown: str) -> int:
-    """0-3 by the judge rubric, checked against the replay: 0 if it invents an object / place the attempt never showed
-    or contradicts the outcome; else 1 + (names the decisive place or turn) + (concrete: cites a turn that exists)."""
-    text = reflection_text.lower()
-    named = {f"{a} {b}" for a, b in OBJECT_RE.findall(text) if a not in ("turn", "step")}
-    if any(n not in shown for n in named):
-        return 0
-    claims_success = any(w in text for w in ("was done", "succeeded", "finished the task", "repeat this"))
-    claims_failure = any(w in text for w in ("invalid", "ran out", "failed", "does not need", "wrong"))
-    if (f.won and claims_failure and not claims_success) or (not f.won and claims_success and not claims_failure):
-        return 0
-    seen = first_target(f)
-    decisive = ({seen[0], seen[1]} if seen else set(f.unexplored[:2])) | ({f.target_rec} if f.won else set())
-    turns = [int(t) for t in TURN_RE.findall(text)]
-    concrete = bool(turns) and all(1 <= t <= len(f.actions) for t in turns)
-    return 1 + bool(decisive & named) + concrete
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# 2. Warm-start data: the privileged expert on train tasks (layout seeds the runs never use), hinted or not
-# ------------------------------------------------------------------------------------------------------------------
-
-DATA_SEEDS = (1000, 1001, 1002)  # household layouts are a function of (seed, task id): the runs use seeds 0-2
-
-
-def contents_shown(env) -> bool:
-    """The observation of the step just taken showed what is in/on the agent's receptacle."""
-    return bool(env.loc) and (kind(env.loc) not in OPENABLE or env.loc in env.opened)
-
-
-def search_action(env, searched: list, rng: random.Random) -> str:
-    """The expert without privileged knowledge of where things are (what the backbone clones when no hint is in
-    its prompt): take a needed object it can see, else go back to one it saw, else open the closed receptacle it
-    stands at, else go to a random receptacle whose contents it has not seen (random, not in the listed order:
-    a 4-layer model did not learn "the next one in the list" in 500 warm-start steps, 0 % success, while copying
-    one admissible "go to" is easy). Once it holds a needed object (or must put a wrong one down), the env's
-    expert finishes, except that the desklamp is searched for the same way until it has been seen."""
-    s, expert = env.spec, env.expert_action()
-    lamp_known = s["lamp_at"] in searched
-    if env.holding:
-        if s["family"] != "look_at_obj_in_light" or lamp_known or env.objects[env.holding]["type"] != s["otype"]:
-            return expert
-        todo = [r for r in s["receptacles"] if kind(r) in envs.LAMP_HOLDERS and r not in searched]
-    else:
-        if contents_shown(env) and expert.startswith("take ") and expert.endswith(f" from {env.loc}"):
-            return expert  # the needed object is right here
-        seen_at = [o["loc"] for o in env.objects.values() if o["type"] == s["otype"] and o["loc"] in searched
-                   and kind(o["loc"]) != s["rtype"]]
-        if seen_at and not (contents_shown(env) and env.loc in seen_at):
-            return f"go to {seen_at[0]}" if env.loc != seen_at[0] else expert  # one it saw earlier
-        if env.loc and kind(env.loc) in OPENABLE and env.loc not in env.opened:
-            return f"open {env.loc}"
-        todo = [r for r in s["receptacles"] if r not in searched and kind(r) != s["rtype"]]
-    todo = [r for r in todo if r != env.loc]
-    return f"go to {rng.choice(todo)}" if todo else expert
-
-
-def reasoned_response(env, action: str) -> str:
-    """The warm start's response: a <think> that spells out, from what the prompt shows, the facts the action rests
-    on (the task, where the agent is, what it sees or holds), then the action. Spelling them out turns "pick the
-    right object / place" into copying for a 4-layer model (without it: 0 % of 'take' decisions right after 350
-    steps). What it sees is the current observation's list copied word for word ("where I see a mug 1, and a pen
-    2."): naming only the needed object when present taught the clone to claim it saw the object wherever it stood
-    (a small-room backbone at 1,000 steps: 124 of 217 turns an inadmissible "take"). The task is restated word for word ("My task is to: put some X on Y."): each word then follows the
-    same words in the prompt's task line, an induction copy; the shorter "The task needs a X." asks for a lookup
-    of one token 400 tokens back, which the model never learned (0 of 60 held-out thinks named the right object
-    after 550 steps)."""
-    parts = [f"My task is to: {env.task}"]
-    if env.holding:
-        parts.append(f"I hold the {env.holding}.")
-    if env.loc:
-        here = env.loc + (", which is closed" if kind(env.loc) in OPENABLE and env.loc not in env.opened else "")
-        shown = env.observation.split("you see ", 1)[1].rstrip(".") if contents_shown(env) and \
-            "you see " in env.observation else ""  # the current observation's list, word for word
-        parts.append(f"I am at the {here}" + (f", where I see {shown}." if shown else "."))
-    parts.append(f"So I will {action}.")
-    return f"<think>{' '.join(parts)}</think>\n<action>{action}</action>"
-
-
-def play(env, task_id: str, eps: float, rng: random.Random, invalid: float = 0.05, hinted: bool = False):
-    """One episode of a noisy teacher: the label is the privileged expert's action when `hinted` (a true hint is in
-    the prompt), else search_action; the action taken is the label, a random admissible action with prob. eps,
-    or an invalid reply with prob. `invalid`. Returns ([(prompt, label, response, the privileged expert's response)]
-    per state, the actions taken)."""
-    env.reset(task_id)
-    labelled, actions, searched = [], [], []
-    while not env.done:
-        expert = env.expert_action()
-        label = expert if hinted else search_action(env, searched, rng)
-        labelled.append((env.prompt(), label, reasoned_response(env, label), reasoned_response(env, expert)))
-        u = rng.random()
-        action = None if u < invalid else rng.choice(env.admissible()) if u < invalid + eps else label
-        env.step(envs.format_expert_response(action, "household") if action else "<think>hmm</think> go")
-        actions.append(action)
-        if action and action.split()[0] in ("go", "open", "examine") and contents_shown(env):
-            searched = [r for r in searched if r != env.loc] + [env.loc]
-    return labelled, actions
-
-
-def as_trajectory(env, task_id: str, actions: list):
-    """A common.Trajectory of a replayed action list (token ids left empty: only the analysis prompts need it)."""
-    import common as C
-    env.reset(task_id)
-    traj = C.Trajectory(task_id, 0, env.task, env.family, env.observation)
-    for a in actions:
-        text = envs.format_expert_response(a, "household") if a else "<think>hmm</think> go"
-        obs, reward, _, info = env.step(text)
-        traj.turns.append(C.Turn("", [], [], text, info["action"] if info["valid"] else None, info["valid"], obs,
-                                 reward))
-        traj.won = bool(info["won"])
-    return traj
-
-
-def hinted_prompt(prompt: str, style: str, ok: Facts, bad: Facts | None, expert: str) -> str:
-    """The agent prompt with a true hint in one method's format; the hint is about the successful episode `ok`."""
-    import grsd
-    import opid
-    import seed
-    if style == "seed":
-        return seed.inject_skill(prompt, seed_skill(ok))
-    if style == "opid_episode":
-        return opid.inject_skill(prompt, episode=seed_skill(ok))[0]
-    if style == "opid_step":
-        return opid.inject_skill(prompt, step=f"{expert[0].upper() + expert[1:]}.")[0]
-    return grsd.inject_guidance(prompt, guidance("", [ok], [bad] if bad else []))
-
-
-HINT_STYLES = ("seed", "opid_episode", "opid_step", "grsd")
-
-
-def hindsight_hinted(states: list, f: Facts, ok: Facts, rng: random.Random, max_critical: int = 5) -> list:
-    """'act' pairs that teach reading a hindsight skill: every state of a searcher's episode, its prompt carrying what
-    an analyzer writes about that same episode (the methods' teacher context: SEED's skill, OPID's step skill at its
-    critical steps and the episode skill elsewhere, GRSD's guidance against the clean episode `ok`), labelled by the
-    privileged expert at that state. Only episodes that showed a needed object: their skill names where it is and
-    the expert goes there, so the skill and the label agree; an episode that never saw one gets "search elsewhere",
-    which the expert's direct route would contradict."""
-    import grsd
-    import opid
-    import seed
-    if first_target(f) is None:
-        return []
-    critical, out = step_skills(f, max_critical), []
-    for t, (prompt, _, _, expert_response) in enumerate(states):
-        style = rng.choice(HINT_STYLES)
-        if style == "seed":
-            text = seed.inject_skill(prompt, seed_skill(f))
-        elif style == "grsd":
-            text = grsd.inject_guidance(prompt, guidance(f.task, [f] if f.won else [ok], [] if f.won else [f]))
-        elif t in critical:  # OPID's critical-first routing: the step skill at a critical step
-            text = opid.inject_skill(prompt, step=critical[t])[0]
-        else:
-            text = opid.inject_skill(prompt, episode=seed_skill(f))[0]
-        out.append(("act", text, expert_response))
-    return out
-
-
-def warm_start_data(n_tasks: int, max_steps: int, seed: int = 0, room: str = "full",
-                    hindsight: bool = False) -> list[tuple[str, str, str]]:
-    """(kind, user text, target response) pairs: 'act' (plain or hinted prompt -> expert response), 'skill' (SEED's
-    x_τ -> <skill>…</skill>), 'reflect' (GRSD's p_ref -> three points), 'guide' (GRSD's p_guide -> DO / AVOID)."""
-    import grsd
-    import seed as seed_mod
-    rng, pairs = random.Random(seed), []
-    for data_seed in DATA_SEEDS:
-        env = envs.HouseholdEnv("train", seed=data_seed, max_steps=max_steps, room=room)
-        for task_id in env.task_ids()[:n_tasks]:
-            clean, clean_actions = play(env, task_id, 0.0, rng, invalid=0.0, hinted=True)  # the privileged expert
-            ok, _ = replay(env, task_id, clean_actions)
-            noisy = [play(env, task_id, eps, rng) for eps in (0.0, 0.3, 0.6)]  # the searcher, then noisier
-            facts = [replay(env, task_id, acts)[0] for _, acts in noisy]
-            bad = next((f for f in facts if not f.won), None)
-            for prompt, _, response, _ in noisy[0][0] + noisy[1][0]:  # acting without a hint (DAgger-style labels)
-                pairs.append(("act", prompt, response))
-            style = rng.choice(HINT_STYLES)
-            for prompt, label, response, _ in clean:  # acting with a true hint: the privileged expert follows it
-                pairs.append(("act", hinted_prompt(prompt, style, ok, bad, label), response))
-            if hindsight:
-                for (states, _), f in zip(noisy[1:], facts[1:]):  # acting with the hindsight skill of one's own episode
-                    pairs += hindsight_hinted(states, f, ok, rng)
-            for f, (_, acts) in zip(facts, noisy):  # analysis texts of the searcher's episodes
-                traj = as_trajectory(env, task_id, acts)
-                if rng.random() < 0.5:
-                    pairs.append(("skill", seed_mod.trajectory_input(traj), f"<skill>{seed_skill(f)}</skill>"))
-                else:
-                    pairs.append(("reflect", grsd.reflection_prompt(traj, 400), reflection(f)))
-            if bad is not None and rng.random() < 0.5:
-                good_r, bad_r = [reflection(ok)], [reflection(bad)]
-                pairs.append(("guide", grsd.guidance_prompt(ok.task, good_r, bad_r), guidance(ok.task, [ok], [bad])))
-    return pairs
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# 3. The backbone: tokenizer + 4-layer Qwen2 config, behaviour cloning, early stop, HF checkpoint
-# ------------------------------------------------------------------------------------------------------------------
-
-SELECT_SEED = 999  # the early stop is judged on valid_seen layouts of this seed (the runs evaluate seeds 0-2)
-
-
-def build_backbone(vocab_size: int, seed: int, layers: int = 4, hidden: int = 256):
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=None, eos_token_id=2,
-                      pad_token_id=0)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg)
-
-
-def eval_success(model, tok, split: str, layout_seed: int, max_steps: int, n: int = 60, room: str = "full") -> float:
-    """Greedy-free held-out success at the runs' eval temperature 0.4 (common.evaluate without a process group)."""
-    import torch
-    import common as C
-    import models
-    engine = models.HFEngine(model, tok, torch.device("cpu"))
-    make = lambda: envs.HouseholdEnv(split, seed=layout_seed, max_steps=max_steps, room=room)  # noqa: E731
-    torch.manual_seed(0)
-    trajs, _ = C.collect(engine, make, make().task_ids()[:n], 1, 1024, 64, 0.4, 1.0)
-    model.train().requires_grad_(True)  # HFEngine froze it
-    return sum(t.won for t in trajs) / len(trajs)
-
-
-def clone_loss(model, rows: list, prompt_weight: float):
-    """Mean token NLL of the responses + prompt_weight x mean token NLL of the prompts. The prompt term is language
-    modelling on the agent's own context (a pretrained LLM has that ability): its observations repeat in the history
-    and its actions come from the admissible list, which teaches the model to copy from its context."""
-    import torch
-    seqs = [p + r for p, r in rows]
-    width = max(map(len, seqs))
-    ids, real = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
-    is_resp, is_prompt = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
-    for i, (p, r) in enumerate(rows):  # right-padded: position ids 0.. are right for every row
-        ids[i, :len(p) + len(r)], real[i, :len(p) + len(r)] = torch.tensor(p + r), 1
-        is_prompt[i, 1:len(p)] = 1  # the first token has nothing to be predicted from
-        is_resp[i, len(p):len(p) + len(r)] = 1
-    logits = model(input_ids=ids, attention_mask=real).logits[:, :-1]
-    nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
-    resp, prompt = is_resp[:, 1:], is_prompt[:, 1:]
-    return (nll * resp).sum() / resp.sum() + prompt_weight * (nll * prompt).sum() / prompt.sum().clamp(min=1)
-
-
-def bc_lr(step: int, steps: int, decay_from: int) -> float:
-    """The warm start's learning-rate factor: 20 warm-up steps, flat to decay_from, then cosine down to 0.1 at steps."""
-    if step < decay_from:
-        return min(1.0, (step + 1) / 20)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - decay_from) / max(1, steps - decay_from))))
-
-
-def warm_start(out: str, steps: int, checks: tuple, max_steps: int, n_tasks: int = 200, batch: int = 16,
-               lr: float = 1e-3, decay_from: int = 1500, seed: int = 0, target: tuple = (0.2, 0.4),
-               prompt_weight: float = 0.5, select_tasks: int = 60, room: str = "full", hindsight: bool = False,
-               init: str | None = None, min_step: int = 0, log=print) -> dict:
-    """Behaviour cloning (clone_loss: the responses, plus language modelling on the prompts), AdamW at lr x bc_lr.
-    At each step in `checks` the weights, tokenizer and training state are saved to out/step<k>/ and the held-out
-    success is measured (valid_seen, layout seed SELECT_SEED, `select_tasks` tasks, T 0.4); training stops at the first
-    check inside `target` at or after min_step (that checkpoint is kept), else after `steps` (the best check is kept;
-    the later on a tie), and the kept one is
-    copied to out/. A rerun resumes from the last saved check (a check saved without training state resumes with
-    fresh AdamW moments, and says so). hindsight: add the hindsight-hinted pairs (hindsight_hinted) to the data.
-    init: a check of an earlier stage (out/step<k>/ with its training state) to continue from, at step k."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import common as C
-    import models
-    t0 = time.time()
-    pairs = warm_start_data(n_tasks, max_steps, seed, room, hindsight)
-    done = [k for k in checks if os.path.isfile(os.path.join(out, f"step{k}", "config.json"))]
-    start = max(done, default=0)
-    init_step = int(os.path.basename(init.rstrip("/"))[len("step"):]) if init else None
-    new_stage = init is not None and start in (0, init_step)  # also after a kill before this stage's first check
-    if new_stage and not start:  # the earlier stage's check becomes this folder's first
-        start = init_step
-        shutil.copytree(init, os.path.join(out, f"step{start}"), dirs_exist_ok=True)
-    if start:  # resume: the tokenizer and weights of the last check
-        tok = AutoTokenizer.from_pretrained(os.path.join(out, f"step{start}"))
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"step{start}")).train()
-    else:
-        tok = models.build_tiny_tokenizer([u for _, u, _ in pairs[::7]] + [r for _, _, r in pairs[::3]], vocab_size=2048)
-        model = build_backbone(len(tok), seed)
-    eos = models.end_of_turn_id(tok)
-    encoded = {}
-    for k, user, resp in pairs:
-        encoded.setdefault(k, []).append((C.chat_ids(tok, user), tok(resp, add_special_tokens=False)["input_ids"] + [eos]))
-    log(f"[backbone] {len(pairs)} pairs {dict((k, len(v)) for k, v in encoded.items())}, vocab {len(tok)}, "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, data {time.time() - t0:.0f} s")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: bc_lr(start + i, steps, decay_from))
-    rng, history, kept = random.Random(seed), [], None
-    if start:
-        state_file = os.path.join(out, f"step{start}", "train_state.pt")
-        if os.path.isfile(state_file):
-            state = torch.load(state_file, weights_only=False)
-            opt.load_state_dict(state["optimizer"])
-            rng.setstate(state["rng"])
-            history, kept = state["history"], state["kept"]
-        else:
-            rng = random.Random(f"{seed}/{start}")
-            history = [h for h in json.load(open(os.path.join(out, "warm_start.json")))["history"]
-                       if h["step"] <= start] if os.path.isfile(os.path.join(out, "warm_start.json")) else []
-            prior = [h for h in history if "select_success" in h]
-            kept = max(prior[::-1], key=lambda h: h["select_success"]) if prior else None
-            kept = kept and {"step": kept["step"], "select_success": kept["select_success"]}
-            log(f"[backbone] step{start}/ has no training state: resuming with fresh AdamW moments")
-        if new_stage:  # only this stage's checks can be kept
-            kept = None
-        log(f"[backbone] resumed at step {start}" + (f" from {init}" if new_stage else ""))
-    kinds, weights = ["act", "skill", "reflect", "guide"], [0.7, 0.12, 0.12, 0.06]
-    for step in range(start + 1, steps + 1):
-        k = rng.choices(kinds, weights)[0]
-        rows = rng.sample(encoded[k], min(len(encoded[k]), batch if k == "act" else batch // 2))
-        loss = clone_loss(model, rows, prompt_weight)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        history.append({"step": step, "kind": k, "nll": loss.item()})
-        if step % 25 == 0:
-            recent = history[-25:]
-            per_kind = {k: sum(h["nll"] for h in recent if h["kind"] == k) / max(1, sum(h["kind"] == k for h in recent))
-                        for k in kinds}
-            log(f"[backbone] step {step} nll " + " ".join(f"{k} {v:.3f}" for k, v in per_kind.items())
-                + f" lr {sched.get_last_lr()[0]:.2e} ({time.time() - t0:.0f} s)")
-        if step in checks:
-            t_eval = time.time()
-            success = eval_success(model, tok, "valid_seen", SELECT_SEED, max_steps, select_tasks, room)
-            history[-1]["select_success"] = success
-            log(f"[backbone] step {step}: valid_seen success (layout seed {SELECT_SEED}) {success:.3f} "
-                f"({time.time() - t_eval:.0f} s)")
-            in_target = target[0] <= success <= target[1] and step >= min_step
-            if kept is None or success >= kept["select_success"] or in_target:  # on a tie, the later check
-                kept = {"step": step, "select_success": success}
-            path = os.path.join(out, f"step{step}")
-            model.save_pretrained(path)
-            tok.save_pretrained(path)
-            torch.save({"optimizer": opt.state_dict(), "rng": rng.getstate(), "history": history, "kept": kept},
-                       os.path.join(path, "train_state.pt"))
-            if in_target:
-                break
-    for name in os.listdir(os.path.join(out, f"step{kept['step']}")):  # the kept check becomes the backbone
-        if name != "train_state.pt":
-            shutil.copy(os.path.join(out, f"step{kept['step']}", name), out)
-    info = {**kept, "history": history, "seconds": time.time() - t0, "pairs": len(pairs), "lr": lr, "batch": batch,
-            "decay_from": decay_from, "steps": steps, "prompt_weight": prompt_weight, "resumed_at": start or None,
-            "room": room, "hindsight": hindsight, "init": init}
-    with open(os.path.join(out, "warm_start.json"), "w") as f:
-        json.dump(info, f)
-    return info
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# 4. The oracle endpoint: parse the trajectory a method sends, find its task, replay it, answer for the role
-# ------------------------------------------------------------------------------------------------------------------
-
-INVALID_MARKS = ("(invalid", "INVALID")
-TASK_LINE_RE = re.compile(r"^Task: (.+)$", re.M)
-FORMATS = {  # role -> (first-observation regex, per-step (action, observation) regex), as seed.py / opid.py / grsd.py
-    "seed": (re.compile(r"^Initial observation: (.*)$", re.M),
-             re.compile(r"^Step \d+\n  Action: (.*)\n  Observation: (.*)\n  Reward: ", re.M)),
-    "opid": (re.compile(r"^\[Step 0\]\nObservation: (.*)$", re.M),
-             re.compile(r"^Action: (.*)\nFeedback: reward [^\n]*\n(?:\[Step \d+\]\nObservation|Final observation): "
-                        r"(.*)$", re.M)),
-    "judge": (re.compile(r"^Initial observation: (.*)$", re.M),
-              re.compile(r"^Turn \d+: action: (.*)\n  observation: (.*)$", re.M)),
-}
-
-
-def role_of(prompt: str) -> str | None:
-    """Which role a prompt asks for, from the instructions seed.py / opid.py / grsd.py write (None: not ours)."""
-    import seed
-    if seed.ANALYZER_INSTRUCTIONS in prompt:
-        return "seed"
-    if "Extract hindsight skills from it." in prompt and '"episode_skill"' in prompt:
-        return "opid"
-    if prompt.startswith("Grade an agent's reflection") and "\nReflection:\n" in prompt:
-        return "judge"
-    return None
-
-
-@dataclass
-class Parsed:
-    task: str
-    first_obs: str
-    steps: list  # (action or None, observation text as shown)
-    reflection: str = ""
-
-
-def parse_record(prompt: str, role: str) -> Parsed | None:
-    """The task, first observation and steps of a trajectory in the prompt format of `role`; None if it does not
-    parse. The judge's prompt also carries the reflection to grade."""
-    first_re, step_re = FORMATS[role]
-    body, reflection_text = prompt, ""
-    if role == "judge":
-        body, _, rest = prompt.partition("\nReflection:\n")
-        reflection_text = rest.split("\n\nCriteria:")[0]
-    task, first = TASK_LINE_RE.search(body), first_re.search(body)
-    if not task or not first:
-        return None
-    steps = [(None if a.startswith(INVALID_MARKS) else a.strip(), o) for a, o in step_re.findall(body)]
-    return Parsed(task.group(1).strip(), first.group(1), steps, reflection_text)
-
-
-class Oracle:
-    """Finds a parsed trajectory's task among the household train tasks of the given layout seeds and replays it.
-    Counts: requests, replayed, fallbacks (a text from the task alone), by role."""
-
-    def __init__(self, seeds=(0, 1, 2), max_critical: int = 5, room: str = "full"):
-        self.max_critical, self.index, self.envs = max_critical, {}, {}
-        for s in seeds:
-            env = envs.HouseholdEnv("train", seed=s, max_steps=10_000, room=room)  # the replay never stops early
-            self.envs[s] = env
-            for tid in env.task_ids():
-                spec = envs.make_household_task(tid, s, room)
-                self.index.setdefault(spec["task"], []).append((s, tid))
-        self.stats, self.lock = {}, threading.Lock()
-
-    def count(self, key: str):
-        with self.lock:
-            self.stats[key] = self.stats.get(key, 0) + 1
-
-    def facts(self, parsed: Parsed) -> tuple[Facts, str] | None:
-        """The replayed facts and the text the trajectory showed (for the judge's 'never invented' check)."""
-        for s, tid in self.index.get(parsed.task, []):
-            env = self.envs[s]
-            env.reset(tid)
-            if not env.observation.startswith(parsed.first_obs[:200]):
-                continue
-            try:
-                f, observations = replay(env, tid, [a for a, _ in parsed.steps])
-            except (ValueError, KeyError):
-                continue
-            if len(observations) == len(parsed.steps) and all(
-                    o.startswith(shown[:150]) for o, (_, shown) in zip(observations, parsed.steps)):
-                shown = " ".join([env.spec["task"], parsed.first_obs] + [f"{a} {o}" for a, o in zip(f.actions,
-                                                                                                  observations)])
-                return f, shown
-        return None
-
-    def reply(self, prompt: str) -> str:
-        role = role_of(prompt)
-        self.count(f"requests/{role}")
-        parsed = parse_record(prompt, role) if role else None
-        found = self.facts(parsed) if parsed else None
-        self.count(f"{'replayed' if found else 'fallback'}/{role}")
-        if role is None:
-            return "I can only analyze household trajectories."
-        if found is None:  # nothing to ground a statement in: a text from the task line alone
-            task = parsed.task if parsed else "the task"
-            generic = f"Avoid acting at random: read the task ({task}) and search each place once."
-            return {"seed": f"<skill>{generic}</skill>", "judge": "1",
-                    "opid": json.dumps({"episode_skill": generic, "step_skills": {}})}[role]
-        f, shown = found
-        if role == "seed":
-            return f"<skill>{seed_skill(f)}</skill>"
-        if role == "opid":
-            return opid_analysis(f, self.max_critical)
-        return str(judge_score(f, parsed.reflection, shown))
-
-
-def serve_oracle(oracle: Oracle, host: str = "127.0.0.1", port: int = 0) -> envs.HTTPServer:
-    """OpenAI-compatible POST /v1/chat/completions (the last user message is the prompt); GET /stats. Runs in a
-    daemon thread; returns the server (server.server_address[1] is the port)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, code: int, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self._send(200, dict(oracle.stats)) if self.path.rstrip("/").endswith("/stats") else self._send(404, {})
-
-        def do_POST(self):
-            if not self.path.rstrip("/").endswith("/chat/completions"):
-                return self._send(404, {"error": "POST /v1/chat/completions"})
-            try:
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                prompt = [m for m in req["messages"] if m.get("role") == "user"][-1]["content"]
-                if not isinstance(prompt, str):
-                    prompt = "".join(p.get("text", "") for p in prompt if isinstance(p, dict))
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-                return self._send(400, {"error": "expected {'messages': [{'role': 'user', 'content': ...}]}"})
-            try:
-                text = oracle.reply(prompt)
-            except Exception as e:  # an oracle bug must not look like a network failure: say what broke
-                oracle.count("errors")
-                return self._send(500, {"error": f"{type(e).__name__}: {e}"})
-            self._send(200, {"object": "chat.completion", "model": req.get("model", "oracle"),
-                             "choices": [{"index": 0, "finish_reason": "stop",
-                                          "message": {"role": "assistant", "content": text}}]})
-
-        def log_message(self, *a):
-            pass
-
-    server = envs.HTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -867,7 +121,7 @@ def method_flags(method: str, oracle_url: str, b: Budget, lr: float) -> tuple[st
 
 METHODS = ("grpo", "seed", "opid", "grsd")
 
-# The scaled arm (`python tools/experiment.py scaled`): the issue allows one clearly labelled arm per method with its
+# The scaled arm (`python -m tools.experiment scaled`): the issue allows one clearly labelled arm per method with its
 # coefficient scaled for this model size, beside the paper's, never in its place. At the paper coefficients each skill
 # term is small next to the trajectory advantage on this backbone (paper-coefficient runs' logs, docs/experiment.md:
 # mean |A| ≈ 0.54 per token; OPID's |A_skill| ≈ 0.035; SEED's gate 0.49 ± 0.07; GRSD's Â/A in [0.9, 1.1]). The rule,
@@ -882,7 +136,7 @@ SCALED = {
 SCALED_METHODS = tuple(f"{m}_scaled" for m in SCALED)
 SCALED_FLOOR = -0.10  # a scaled arm whose dev runs end > 10 points below GRPO's (paired by layout) gets no final runs
 
-# The learning regime (issue 40; `python tools/experiment.py learn-dev`, `learn`, `curve`). Budget above moves no method
+# The learning regime (issue 40; `python -m tools.experiment learn-dev`, `learn`, `curve`). Budget above moves no method
 # (GRPO +0.3 points over 5 layouts, docs/experiment.md). Candidates are GRPO-only runs on the first dev layout
 # (LEARN_DEV: each a set of Budget overrides); LEARN is the one frozen from them, and its final runs compare the four
 # methods at the papers' coefficients on layouts 0-4. What each setting is, and what the probes measured, is in
@@ -1321,7 +575,7 @@ def run_mechanism(a, b: Budget, backbone: str, cfg: dict) -> dict:
     over HTTP, every (method, source): writes <out>/mechanism.json and .md (and docs/results/ unless --smoke)."""
     import torch
     from transformers import AutoModelForCausalLM
-    import mechanism as M
+    from tools import mechanism as M
     import models
     torch.set_num_threads(a.threads)
     tok, policy = models.load_tokenizer(backbone), AutoModelForCausalLM.from_pretrained(backbone)
@@ -1573,7 +827,7 @@ def main(argv=None):
         warm_start(backbone, checks[-1], checks, b.max_steps, hindsight=True,
                    init=os.path.join(clone, f"step{first['step']}"), min_step=first["step"] + cfg["read_min"], **kw)
     if not os.path.isfile(os.path.join(backbone, "config.json")):
-        raise SystemExit(f"no backbone at {backbone}: run `python tools/experiment.py backbone` first")
+        raise SystemExit(f"no backbone at {backbone}: run `python -m tools.experiment backbone` first")
     if a.cmd in ("all", "mechanism"):
         run_mechanism(a, b, backbone, cfg)
     if a.cmd in ("all", "hints"):

@@ -1,14 +1,14 @@
 """GPU preflight: run it on the node before a long run. Each part prints as it goes and ends in an assertion;
 exit code 0 means every check passed.
 
-  python tools/gpu_check.py --out /tmp/gc                      # every part, 1 GPU (bf16, nccl, activation ckpt)
-  python tools/gpu_check.py --out /tmp/gc --part updates       # or one part per command (each sized for ≤ 480 s;
-  python tools/gpu_check.py --out /tmp/gc --part big-update    #  keep the same --out: the random 3B-shape model is
-  python tools/gpu_check.py --out /tmp/gc --part engine        #  written once and later parts read earlier ones'
-  python tools/gpu_check.py --out /tmp/gc --part mismatch      #  measurements)
-  python tools/gpu_check.py --out /tmp/gc --part projection
-  python tools/gpu_check.py --cpu-smoke --out /tmp/gc          # every part's code path on CPU (CI runs it, ~3 min)
-  python tools/gpu_check.py --out /tmp/gc --model Qwen/Qwen2.5-3B-Instruct   # engine, mismatch and big-update on
+  python -m tools.gpu_check --out /tmp/gc                      # every part, 1 GPU (bf16, nccl, activation ckpt)
+  python -m tools.gpu_check --out /tmp/gc --part updates       # or one part per command (each sized for ≤ 480 s;
+  python -m tools.gpu_check --out /tmp/gc --part big-update    #  keep the same --out: the random 3B-shape model is
+  python -m tools.gpu_check --out /tmp/gc --part engine        #  written once and later parts read earlier ones'
+  python -m tools.gpu_check --out /tmp/gc --part mismatch      #  measurements)
+  python -m tools.gpu_check --out /tmp/gc --part projection
+  python -m tools.gpu_check --cpu-smoke --out /tmp/gc          # every part's code path on CPU (CI runs it, ~3 min)
+  python -m tools.gpu_check --out /tmp/gc --model Qwen/Qwen2.5-3B-Instruct   # engine, mismatch and big-update on
                                                                #  your model (hub id or directory) instead
 
 A lent device without vLLM and ≤ 600 s a command: --part big-update first (the risky one: memory), then projection
@@ -64,7 +64,6 @@ from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]
 
 QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                  num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -207,7 +206,7 @@ def child_env(smoke: bool, hf_engine: bool = False) -> dict:
 
 
 def run_child(kind: str, model: str, root: str, smoke: bool) -> dict:
-    """`python tools/gpu_check.py --child KIND`: its stdout goes straight through, its stderr (vLLM's log) to
+    """`python -m tools.gpu_check --child KIND`: its stdout goes straight through, its stderr (vLLM's log) to
     OUT/KIND.stderr; returns the numbers it wrote to OUT/KIND.json."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model, "--out", root] + \
         (["--cpu-smoke"] if smoke else [])
@@ -432,7 +431,7 @@ def big_model(root: str, device: str) -> str:
 
 def method_argv(method: str, model: str, out: str, url: str, size: dict, extra: list[str] = ()) -> list[str]:
     """One update of `method`, its analyzer / annotator / judge the oracle at `url` (experiment.method_flags)."""
-    import experiment as E
+    from tools import experiment as E
     b = E.Budget(updates=1, sft_tasks=12, sft_rollouts=2, **size)  # 12 stage-1 tasks: skills for every family
     script, flags = E.method_flags(method, url, b, lr=1e-6)
     if method == "seed":
@@ -485,8 +484,8 @@ def table(rows: list[dict]) -> str:
 
 
 def oracle_url():
-    import experiment as E
-    server = E.serve_oracle(E.Oracle((0,), room="small"))
+    from tools.oracle import Oracle, serve_oracle
+    server = serve_oracle(Oracle((0,), room="small"))
     return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
 
 

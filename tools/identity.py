@@ -1,8 +1,8 @@
 """Behaviour identity across a refactor: the same runs in two checkouts give the same metrics rows and final weights.
 
-  python tools/identity.py record --checkout /tmp/before --out /tmp/before.json   # every configuration, ~15 min
-  python tools/identity.py record --checkout .           --out /tmp/after.json
-  python tools/identity.py compare /tmp/before.json /tmp/after.json               # exit 1 on any difference
+  python -m tools.identity record --checkout /tmp/before --out /tmp/before.json   # every configuration, ~15 min
+  python -m tools.identity record --checkout .           --out /tmp/after.json
+  python -m tools.identity compare /tmp/before.json /tmp/after.json               # exit 1 on any difference
 
 A configuration is one default run on the embedded household env with the tiny model (CONFIGS): the three methods
 in one process, under torchrun with 2 ranks and with --engine vllm; GRPO; and five Table 1 baselines that score a

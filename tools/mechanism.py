@@ -1,7 +1,7 @@
 """The papers' mechanism, measured directly and without training: does the skill signal credit the right turns?
 
-  python tools/experiment.py mechanism    # on runs/experiment/backbone -> docs/results/mechanism.{json,md}
-  (python tools/experiment.py --smoke runs it on 2 tasks x 2 rollouts of a 4-step backbone; test_mechanism.py checks
+  python -m tools.experiment mechanism    # on runs/experiment/backbone -> docs/results/mechanism.{json,md}
+  (python -m tools.experiment --smoke runs it on 2 tasks x 2 rollouts of a 4-step backbone; tests/test_mechanism.py checks
   the measures by hand and one measurement on scripted trajectories against an independent recomputation)
 
 A fixed batch of backbone rollouts on household train tasks (layout seed MECH_SEED, which no run trains or evaluates
@@ -32,15 +32,11 @@ oracle skills is >= 0.75 for SEED, OPID and GRSD.
 from __future__ import annotations
 
 import json
-import os
 import random
-import sys
 import time
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import envs  # noqa: E402
+import envs
 
 MECH_SEED = 7          # household layout seed of the measured rollouts (the runs use 0-4, the dev probes 100-101)
 SOURCES = ("oracle", "policy", "library")
@@ -132,7 +128,7 @@ def teacher_samples(method: str, source: str, trajs, engine, tok, sa, oa, ga, or
     import harness
     import opid
     import seed
-    import experiment as X
+    from tools import oracle as X
     client = (lambda role: harness.ChatClient(oracle_url, "oracle", role, 60.0, 0)) if oracle_url else None
     info = Counter()
     if method in ("SEED", "SDAR", "RLSD"):

@@ -1,6 +1,6 @@
 """Curves and comparison tables from runs' metrics files (matplotlib only for `plot`):
-  python tools/plot.py plot RUN_DIR...       # curves.png next to the runs (-o to choose)
-  python tools/plot.py compare RUN_DIR...    # eval success and time per update (--all: per family and phase)
+  python -m tools.plot plot RUN_DIR...       # curves.png next to the runs (-o to choose)
+  python -m tools.plot compare RUN_DIR...    # eval success and time per update (--all: per family and phase)
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def compare_runs(run_dirs: list[str], every_column: bool = False) -> str:
 
 def cli(argv=None):
     import argparse
-    p = argparse.ArgumentParser(prog="tools/plot.py", allow_abbrev=False, description="curves and tables of runs")
+    p = argparse.ArgumentParser(prog="python -m tools.plot", allow_abbrev=False, description="curves and tables of runs")
     sub = p.add_subparsers(dest="cmd", required=True)
     plot = sub.add_parser("plot", help="PNG of the curves, one line per run")
     plot.add_argument("runs", nargs="+", help="run directories (each with args.json and metrics.jsonl)")

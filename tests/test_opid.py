@@ -20,7 +20,7 @@ import harness
 import models
 import envs
 import opid
-from conftest import (HERE, SHARED, check_checkpoint, clean_env, free_port, reply, serve, strict_rows_of,
+from conftest import (HERE, SHARED, TESTS, check_checkpoint, clean_env, free_port, reply, serve, strict_rows_of,
                       trajectories)
 
 # ------------------------------------------------------------------------------------------------ the batch
@@ -330,7 +330,7 @@ def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     row, single, _, _ = cached_update(d, tok, batch, sgd=True, lambda_skill=0.5, micro_batch=64,
                                       micro_batch_tokens=0)  # fixed micro-batches
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(HERE / "test_opid.py"), str(tmp_path / "two.pt")]
+           str(free_port()), str(TESTS / "test_opid.py"), str(tmp_path / "two.pt")]
     res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt")

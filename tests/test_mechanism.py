@@ -8,8 +8,7 @@ import torch
 import common as C
 import envs
 import models
-import experiment as E
-import mechanism as M
+from tools import mechanism as M, oracle as O
 import seed
 from conftest import HERE, play
 
@@ -97,14 +96,14 @@ def test_label_turns_by_hand(tok):
 def test_measure_on_scripted_trajectories(tok, d):
     """GRPO's credit is constant within a trajectory (AUC 1/2); SEED's Δ, credit and its AUC equal an independent
     recomputation from the oracle's skill, seed.inject_skill and common.score."""
-    o = E.Oracle((M.MECH_SEED,), room="small")
-    server = E.serve_oracle(o)
+    o = O.Oracle((M.MECH_SEED,), room="small")
+    server = O.serve_oracle(o)
     try:
         trajs = scripted(tok, 2, 2)
         labels = M.label_turns(trajs, M.mech_env("small", 30))
         policy = models.load_model("tiny", 0).eval()
         url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        res = M.measure(policy, tok, trajs, labels, "small", url, f"{E.ROOT}/skills/alfworld.jsonl", max_response=80,
+        res = M.measure(policy, tok, trajs, labels, "small", url, str(HERE / "skills" / "alfworld.jsonl"), max_response=80,
                         rows=(("GRPO", "-"), ("SEED", "oracle"), ("GRSD", "oracle")), keep_turns=True, log=lambda *a: 0)
     finally:
         server.shutdown()
@@ -114,7 +113,7 @@ def test_measure_on_scripted_trajectories(tok, d):
     assert [r["credit"] for r in grpo["turn_rows"]] == pytest.approx([a[i] for i, tr in enumerate(trajs)
                                                                       for _ in tr.turns])
     # independent Δ: the oracle's skill for each trajectory, in SEED's format, scored on the same response ids
-    client = E.Oracle((M.MECH_SEED,), room="small")
+    client = O.Oracle((M.MECH_SEED,), room="small")
     deltas, credits = [], []
     for i, tr in enumerate(trajs):
         skill = seed.parse_skill(client.reply(seed.trajectory_input(tr)))
