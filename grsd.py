@@ -463,8 +463,7 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                 logp, mask = m.logprobs(policy)                                     # ℓ_θ, with gradient
                 w = m.column(weight[m.kind])
                 if m.kind == "ref":                                                 # Eq. (14), weight α
-                    pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, w,
-                                        args.clip_eps, r_denom)
+                    pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, w, args.clip_eps, r_denom)
                     loss = args.alpha * pg
                     C.add_sums(sums, m, ref=pg)
                 else:                                                               # Eq. (13) + β·KL
@@ -473,30 +472,34 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                     C.add_sums(sums, m, pg=pg, kl=kl, tokens=mask.sum())
                 m.backward(loss)
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
-    a_plain = torch.cat([torch.full((len(r),), s.adv) for s, r in zip(turns, R)]) if turns else torch.zeros(0)
-    a_hat = torch.cat(adv) if adv else torch.zeros(0)
-    w_ratio = (a_hat / a_plain)[a_plain != 0]
-    tot = C.global_sums({"pg": sums["pg"], "kl": sums["kl"], "ref": sums["ref"], "tokens": sums["tokens"],
-                         "delta_abs": delta_turn.abs().sum().item(), "delta": delta_turn.sum().item(),
-                         "delta_n": float(delta_turn.numel()), "shift_abs": (a_hat - a_plain).abs().sum().item(),
-                         "adv_n": float(a_hat.numel())}, d)
+    tot = C.global_sums({k: sums[k] for k in ("pg", "kl", "ref", "tokens")}, d)
     pg, kl, lref, n_tok = tot["pg"], tot["kl"], tot["ref"], tot["tokens"]
-    lo_hi = [-w_ratio.min().item(), w_ratio.max().item()] if w_ratio.numel() else [-math.inf, -math.inf]
-    neg_lo, w_hi = C.all_reduce(torch.tensor(lo_hi, device=d.device), ReduceOp.MAX).tolist()  # no A ≠ 0: neutral
-    w_lo = -neg_lo
     return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref / n_mb,
             "losses/total": (pg + args.beta_kl * kl + args.alpha * lref) / n_mb,
-            "grsd/delta_mean": tot["delta"] / max(tot["delta_n"], 1),  # Fig. 3b, per turn
-            "grsd/delta_abs_mean": tot["delta_abs"] / max(tot["delta_n"], 1),
-            "grsd/adv_shift_abs": tot["shift_abs"] / max(tot["adv_n"], 1),  # mean |Â − A| over task tokens
-            "grsd/weight_min": w_lo if math.isfinite(w_lo) else 1.0,   # w = Â/A ∈ [1 − λĜ, 1 + λĜ]
-            "grsd/weight_max": w_hi if math.isfinite(w_hi) else 1.0,
-            "grsd/weight_range": w_hi - w_lo if math.isfinite(w_hi) else 0.0,
+            **modulation_metrics(turns, adv, delta_turn, d),
             "train/minibatches": n_mb, **C.grad_norm_metrics(norms), "train/tokens": n_tok,
             **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
             "perf/teacher_tokens": harness.sample_tokens([turns[j].teacher_ids for j in rows], [R[j] for j in rows], d),
             "perf/teacher_seqs": harness.sample_count(rows, d),
             "perf/reflection_tokens": harness.sample_tokens([RP[j] for j in live], [RR[j] for j in live], d)}  # scored+trained
+
+
+def modulation_metrics(turns: list[Sample], adv, delta_turn: torch.Tensor, d) -> dict:
+    """What the modulation did, over all ranks: Δ per modulated turn (Fig. 3b), mean |Â − A| over task tokens, and
+    the range of w = Â/A over tokens with A ≠ 0 (within [1 − λĜ, 1 + λĜ], Prop. 2; 1 where no A ≠ 0)."""
+    a_plain = torch.cat([torch.full((len(s.response_ids),), s.adv) for s in turns]) if turns else torch.zeros(0)
+    a_hat = torch.cat(adv) if adv else torch.zeros(0)
+    w = (a_hat / a_plain)[a_plain != 0]
+    tot = C.global_sums({"delta_abs": delta_turn.abs().sum().item(), "delta": delta_turn.sum().item(),
+                         "delta_n": float(delta_turn.numel()), "shift_abs": (a_hat - a_plain).abs().sum().item(),
+                         "adv_n": float(a_hat.numel())}, d)
+    lo_hi = [-w.min().item(), w.max().item()] if w.numel() else [-math.inf, -math.inf]
+    neg_lo, hi = C.all_reduce(torch.tensor(lo_hi, device=d.device), ReduceOp.MAX).tolist()  # (no A ≠ 0: neutral)
+    lo, hi = (-neg_lo, hi) if math.isfinite(hi) else (1.0, 1.0)
+    return {"grsd/delta_mean": tot["delta"] / max(tot["delta_n"], 1),
+            "grsd/delta_abs_mean": tot["delta_abs"] / max(tot["delta_n"], 1),
+            "grsd/adv_shift_abs": tot["shift_abs"] / max(tot["adv_n"], 1),
+            "grsd/weight_min": lo, "grsd/weight_max": hi, "grsd/weight_range": hi - lo}
 
 
 def engine_context(args) -> int:
@@ -547,10 +550,9 @@ def main(args: Args):
         row = {"update": update, **grsd_update(policy, ref, opt, turns, refls, args, d, timer)}
         scores = [s for s in refl[3] if s is not None]
         s = C.global_sums({"trajs": len(trajs), "reflections": sum(x is not None for x in refl[2]),
-                           "judged": len(scores), "score": sum(scores), "groups": len(groups),
+                           "judged": len(scores), "score": sum(scores), "groups": len(groups), "empty": n_empty,
                            "mixed": sum(mixed.values()), "active": sum(z is not None for z in guidance.values()),
-                           "empty": n_empty, "mixed_outcome": sum(len({tr.won for tr in trajs if tr.group == g}) == 2
-                                                                  for g in groups),
+                           "mixed_outcome": sum(len({t.won for t in trajs if t.group == g}) == 2 for g in groups),
                            "refl_cut": counts["reflection_truncated"], "guide_cut": counts["guidance_truncated"]}, d)
         row.update({"reflection/valid_rate": s["reflections"] / max(s["trajs"], 1),
                     "reflection/judged_rate": s["judged"] / max(s["trajs"], 1),
