@@ -395,15 +395,14 @@ def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: floa
     if lam == 0 or not bool(has.any()):
         return adv[:, None] * mask
     real = mask.bool()
-    at_tokens = lambda x: x[:, None].expand_as(mask)[real]  # noqa: E731  (a [T] value at each real token)
-    key = {"token": torch.arange(int(real.sum())), "turn": at_tokens(torch.arange(len(adv))),
-           "trajectory": at_tokens(traj)}[unit]
+    turn = torch.arange(len(adv))[:, None].expand_as(mask)[real]            # each real token's turn
+    key = {"token": torch.arange(len(turn)), "turn": turn, "trajectory": traj[turn]}[unit]
     ids, u = torch.unique(key, return_inverse=True)                          # each real token's unit
-    per_unit = lambda x: torch.zeros(len(ids), dtype=x.dtype).scatter(0, u, at_tokens(x))  # noqa: E731  (shared)
+    unit_turn = torch.zeros(len(ids), dtype=torch.long).scatter(0, u, turn)  # a turn of each unit (all share A, x)
     total = torch.zeros(len(ids), dtype=torch.float64).index_add(0, u, diff[real].double())
     mixed = torch.zeros(int(group.max()) + 1, dtype=torch.bool).index_fill(0, group[has], True)  # m_x: it has z_x
     delta = (total / torch.bincount(u).double()).float()                    # Eq. (9): mean over the unit's tokens
-    a_unit = turn_modulation(per_unit(adv), delta, per_unit(group), mixed, lam, g_hat, eps_gap)[0]
+    a_unit = turn_modulation(adv[unit_turn], delta, group[unit_turn], mixed, lam, g_hat, eps_gap)[0]
     a_hat = torch.zeros_like(mask)
     a_hat[real] = a_unit[u]
     return a_hat

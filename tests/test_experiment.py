@@ -327,6 +327,13 @@ def test_experiment_smoke_run(tmp_path):
         assert argv[-2:] == E.SCALED[arm.removesuffix("_scaled")] and check[arm] is not None
         assert (f"{arm}-s0" in {r["name"] for r in records}) == (check[arm] >= E.SCALED_FLOOR)
     assert "## Scaled arm (`scaled`), dev layouts" in (results / "table.md").read_text()
+    # the README's learning-curve command, at 1 update: its own record and plot, nothing added to the study's record
+    curve = subprocess.run([sys.executable, *EXPERIMENT, "curve", "--smoke", "--out", str(out), "--threads", "1"],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert curve.returncode == 0, curve.stdout[-3000:] + curve.stderr[-3000:]
+    assert "[experiment] curve: GRPO on layout 0, valid_seen" in curve.stdout and (out / "curve.png").is_file()
+    assert [r["name"] for r in E.load_results(str(out / "curve" / "runs.jsonl"))] == ["curve-grpo-s0"]
+    assert "curve-grpo-s0" not in {r["name"] for r in E.load_results(str(results / "runs.jsonl"))}
 
 
 def test_report_regenerates_the_committed_table(tmp_path):

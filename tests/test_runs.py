@@ -628,7 +628,8 @@ def readme_laptop_commands() -> list[str]:
     lines = [" ".join(ln.split("#")[0].split()) for block in re.findall(r"```bash\n(.*?)```", text, re.S)
              for ln in block.splitlines()]
     return [ln for ln in lines if ln.startswith(("python ", "torchrun ")) and "pytest" not in ln
-            and "--nproc_per_node 8" not in ln and "/path/to/" not in ln]
+            and "--nproc_per_node 8" not in ln and "/path/to/" not in ln
+            and "tools.experiment" not in ln]  # the 30-minute learning curve: its smoke run is test_experiment's
 
 
 @pytest.mark.slow
