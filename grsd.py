@@ -388,8 +388,8 @@ def group_norm(trajs, values, eps_adv: float) -> list[float]:
 
 def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: float, g_hat: float, eps_gap: float):
     """Alg. 1 l.14-25 on [T turns] / [T, R tokens] tensors, as verl's estimators: Â per token [T, R].
-    adv [T]: A_i of each turn's trajectory; diff [T, R]: ℓ_tea − ℓ_stu per token, both under θ̄ = θ_old (0 where a
-    turn has no teacher); mask [T, R]: its real tokens; group [T]: each turn's group 0..G−1; traj [T]: its
+    adv [T]: A_i of each turn's trajectory; diff [T, R]: ℓ_tea − ℓ_stu per token, both under θ̄ = θ_old (0 where
+    a turn has no teacher); mask [T, R]: its real tokens; group [T]: each turn's group 0..G−1; traj [T]: its
     trajectory; has [T]: the turn has a teacher context (exactly the turns of groups with m_x = 1 and a z_x).
     A unit shares one Δ and one Â: a turn (Eq. 9), or a token / a whole trajectory (the Table 2 variants)."""
     if lam == 0 or not bool(has.any()):
@@ -409,8 +409,8 @@ def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: floa
 
 
 def turn_advantages(turns: list[Sample], old, tea, args):
-    """modulated_advantages on the turn samples and their per-token ℓ_stu / ℓ_tea (lists of 1-D tensors): Â as a 1-D
-    tensor per turn, and Δ of each modulated turn (Fig. 3b's metric)."""
+    """modulated_advantages on the turn samples and their per-token ℓ_stu / ℓ_tea (lists of 1-D tensors): Â as a
+    1-D tensor per turn, and Δ of each modulated turn (Fig. 3b's metric)."""
     if not turns:
         return [], torch.zeros(0)
     lens, diffs = [len(s.response_ids) for s in turns], [t - o for t, o in zip(tea, old)]
