@@ -470,3 +470,18 @@ def test_learning_regime_plan_flags_and_sample_efficiency_by_hand(monkeypatch):
     table = E.efficiency_table(records)
     assert "| seed | 2 | 2.0 | 2 of 2 |" in table and "| opid | 1 | – | 0 of 1 |" in table
     assert "| grpo | 2 | 2.5 | 2 of 2 |" in table  # its own final value: at update 4 (seed 0) and 1 (seed 1)
+
+
+def test_curve_band_starts_each_run_from_its_own_layouts_backbone():
+    """`curve`'s band (held_out_band): at update 0 each committed run starts from its own layout's backbone, not
+    layout 0's (the plot had pinned update 0 to layout 0's backbone with zero spread); an update missing from any
+    run, or a layout without a backbone record, drops that point."""
+    def rec(seed, evals):
+        return {"seed": seed, "evals": [{"update": u, "valid_seen": v} for u, v in evals]}
+    bases = {0: rec(0, [(0, 0.25)]), 1: rec(1, [(0, 0.35)])}
+    band = [rec(0, [(8, 0.3), (16, 0.45)]), rec(1, [(16, 0.35)])]
+    xs, stats = E.held_out_band(band, bases)
+    assert xs == [0, 16]
+    assert stats[0] == pytest.approx((0.30, 0.5 ** 0.5 * 0.1))  # mean .3, sample std of (.25, .35)
+    assert stats[1] == pytest.approx((0.40, 0.5 ** 0.5 * 0.1))
+    assert E.held_out_band(band, {0: bases[0]})[0] == [16]

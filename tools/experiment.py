@@ -491,9 +491,10 @@ def run_curve(a, b: Budget, backbone: str, results: str) -> dict:
     run_jobs(a, b, backbone, "curve", mine, job_budget(b, "curve-", a.smoke).lr)
     record = next(r for r in load_results(os.path.join(mine, "runs.jsonl")) if r["name"] == "curve-grpo-s0")
     committed = load_results(os.path.join(results, "runs.jsonl"))
-    base = next((r for r in committed if r["name"] == "backbone-s0"), None)
+    bases = {r["seed"]: r for r in committed if r["method"] == "backbone" and r["phase"] == "final"}
+    base = bases.get(0)
     band = [r for r in committed if r["phase"] == "learn" and r["method"] == "grpo"]
-    plot_curve(record, base, band, os.path.join(a.out, "curve.png"))
+    plot_curve(record, base, band, bases, os.path.join(a.out, "curve.png"))
     start = f"{100 * final_eval(base, 'valid_seen'):.1f} % (the backbone) -> " if base else ""
     ref = [final_eval(r, "valid_seen") for r in band]
     print(f"[experiment] curve: GRPO on layout 0, valid_seen {start}{100 * final_eval(record, 'valid_seen'):.1f} % "
@@ -503,18 +504,25 @@ def run_curve(a, b: Budget, backbone: str, results: str) -> dict:
     return record
 
 
-def plot_curve(record: dict, base: dict | None, band: list[dict], out_png: str):
+def held_out_band(band: list[dict], bases: dict) -> tuple[list[int], list[tuple[float, float]]]:
+    """valid_seen success of `band`'s runs, mean and std over runs at each update they all have; update 0 is each
+    run's own layout's backbone (bases: {layout seed: backbone record}), present when every run has one."""
+    per = [{**({0: final_eval(bases[r["seed"]], "valid_seen")} if r["seed"] in bases else {}),
+            **{e["update"]: e["valid_seen"] for e in r["evals"]}} for r in band]
+    xs = sorted(set.intersection(*[set(c) for c in per]))
+    return xs, [mean_std([c[x] for c in per]) for x in xs]
+
+
+def plot_curve(record: dict, base: dict | None, band: list[dict], bases: dict, out_png: str):
     """One run's curves (held-out success with the backbone at update 0; training success, running mean) over the
-    band of `band`'s runs."""
+    band of `band`'s runs, each starting from its own layout's backbone (bases: {layout seed: backbone record})."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, tr) = plt.subplots(1, 2, figsize=(10, 4.5))
     start = {0: final_eval(base, "valid_seen")} if base else {}
-    if band and base:
-        xs = sorted(set.intersection(*[{e["update"] for e in r["evals"]} for r in band]) | {0})
-        per = [{**start, **{e["update"]: e["valid_seen"] for e in r["evals"]}} for r in band]
-        stats = [mean_std([c[x] for c in per if x in c]) for x in xs]
+    if band:
+        xs, stats = held_out_band(band, bases)
         ax.fill_between(xs, [100 * (m - sd) for m, sd in stats], [100 * (m + sd) for m, sd in stats], alpha=0.2,
                         color="gray", label=f"committed GRPO runs ({len(band)} layouts, mean ± std)")
     mine = {**start, **{e["update"]: e["valid_seen"] for e in record["evals"]}}
