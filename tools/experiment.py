@@ -492,9 +492,9 @@ def run_curve(a, b: Budget, backbone: str, results: str) -> dict:
     record = next(r for r in load_results(os.path.join(mine, "runs.jsonl")) if r["name"] == "curve-grpo-s0")
     committed = load_results(os.path.join(results, "runs.jsonl"))
     bases = {r["seed"]: r for r in committed if r["method"] == "backbone" and r["phase"] == "final"}
-    base = bases.get(0)
+    base = bases.get(record["seed"])
     band = [r for r in committed if r["phase"] == "learn" and r["method"] == "grpo"]
-    plot_curve(record, base, band, bases, os.path.join(a.out, "curve.png"))
+    plot_curve(record, band, bases, os.path.join(a.out, "curve.png"))
     start = f"{100 * final_eval(base, 'valid_seen'):.1f} % (the backbone) -> " if base else ""
     ref = [final_eval(r, "valid_seen") for r in band]
     print(f"[experiment] curve: GRPO on layout 0, valid_seen {start}{100 * final_eval(record, 'valid_seen'):.1f} % "
@@ -513,14 +513,14 @@ def held_out_band(band: list[dict], bases: dict) -> tuple[list[int], list[tuple[
     return xs, [mean_std([c[x] for c in per]) for x in xs]
 
 
-def plot_curve(record: dict, base: dict | None, band: list[dict], bases: dict, out_png: str):
-    """One run's curves (held-out success with the backbone at update 0; training success, running mean) over the
-    band of `band`'s runs, each starting from its own layout's backbone (bases: {layout seed: backbone record})."""
+def plot_curve(record: dict, band: list[dict], bases: dict, out_png: str):
+    """One run's curves (held-out success with its layout's backbone at update 0; training success, running mean)
+    over the band of `band`'s runs, each starting from its own layout's backbone (bases: {layout seed: record})."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, tr) = plt.subplots(1, 2, figsize=(10, 4.5))
-    start = {0: final_eval(base, "valid_seen")} if base else {}
+    start = {0: final_eval(bases[record["seed"]], "valid_seen")} if record["seed"] in bases else {}
     if band:
         xs, stats = held_out_band(band, bases)
         ax.fill_between(xs, [100 * (m - sd) for m, sd in stats], [100 * (m + sd) for m, sd in stats], alpha=0.2,
