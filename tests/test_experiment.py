@@ -276,10 +276,11 @@ def test_launch_all_skips_finished_runs_and_restarts_killed_ones(tmp_path):
 @pytest.mark.slow
 def test_experiment_smoke_run(tmp_path):
     """The whole script at 1 update and 1 seed: backbone, mechanism, hints, the dev probe, 4 methods + the backbone
-    evals, results JSONL, table and curves; a rerun of `runs` resumes run by run."""
+    evals, results JSONL, table and curves; a rerun of `runs` resumes run by run. Two runs at a time on 1 thread each
+    (`--parallel 2`: both cores, two runs at once against one oracle server)."""
     out = tmp_path / "exp"
     env = clean_env()  # (the checkout on PYTHONPATH: `-m tools.experiment` from this test's scratch directory)
-    r = subprocess.run([sys.executable, *EXPERIMENT, "--smoke", "--out", str(out), "--threads", "1"],
+    r = subprocess.run([sys.executable, *EXPERIMENT, "--smoke", "--out", str(out), "--threads", "1", "--parallel", "2"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
@@ -318,7 +319,7 @@ def test_experiment_smoke_run(tmp_path):
     assert refused.returncode != 0 and "is not the one the runs" in refused.stderr, refused.stderr[-2000:]
     (results / "backbone.json").write_text(json.dumps(digest))
     scaled = subprocess.run([sys.executable, *EXPERIMENT, "scaled", "--smoke", "--out", str(out),
-                             "--threads", "1"], capture_output=True, text=True, timeout=600, env=env)
+                             "--threads", "1", "--parallel", "2"], capture_output=True, text=True, timeout=600, env=env)
     assert scaled.returncode == 0, scaled.stdout[-3000:] + scaled.stderr[-3000:]
     records = E.load_results(str(results / "runs.jsonl"))
     check = E.scaled_dev_check(records, 1e-4)
