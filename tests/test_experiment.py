@@ -283,6 +283,9 @@ def test_experiment_smoke_run(tmp_path):
     r = subprocess.run([sys.executable, *EXPERIMENT, "--smoke", "--out", str(out), "--threads", "1", "--parallel", "2"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    events = [ln.split(": ", 1)[1].split()[0] for ln in r.stdout.splitlines()
+              if ln.startswith("[experiment] ") and ln.split(": ", 1)[-1].startswith(("started", "exit"))]
+    assert events[:2] == ["started", "started"], events  # the second run began before the first ended
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
     first = json.loads((out / "backbone_clone" / "warm_start.json").read_text())
     second = json.loads((out / "backbone" / "warm_start.json").read_text())  # stage 2 from stage 1's kept check
