@@ -118,7 +118,7 @@ class Args(harness.RunArgs):
     clip_eps: float = arg(0.2, "PPO clip ε_clip (paper 0.2)", above=0)
     beta_kl: float = arg(0.01, "KL coefficient β_KL (paper 0.01)")
     adv_eps: float = arg(1e-6, "ε in (R − μ)/(σ + ε)")
-    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; laptop ≤ 6)",
                                 at_least=1)
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)", at_least=1)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
@@ -147,9 +147,7 @@ def resolve(args: Args) -> Args:
     preset = LAPTOP if args.model == "tiny" or args.env == "household" else PAPER[args.env]
     for k, v in preset.items():
         if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.max_steps is None:  # only the laptop preset leaves it open: at most 6 steps per episode
-        args.max_steps = min(6, PAPER[args.env]["max_steps"])
+            setattr(args, k, min(v, PAPER[args.env][k]) if k == "max_steps" else v)  # laptop: ≤ 6 steps
     uses_library = (has_teacher(args) and not args.eval_only) or args.train_with_skills or args.eval_with_skills
     if uses_library and args.skill_library is None:
         if args.env not in LIBRARIES:

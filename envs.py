@@ -1169,8 +1169,11 @@ def _spacy_nlp():
 
 
 def _fuzz():
+    import warnings
     try:
-        from thefuzz import fuzz
+        with warnings.catch_warnings():  # without python-Levenshtein thefuzz warns that it uses difflib: that is the
+            warnings.filterwarnings("ignore", "Using slow pure-python SequenceMatcher")  # matcher we use, on purpose
+            from thefuzz import fuzz
     except ImportError as e:
         raise ImportError("the WebShop reward needs thefuzz: pip install thefuzz==0.19.0") from e
     return fuzz

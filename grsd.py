@@ -108,7 +108,7 @@ class Args(harness.RunArgs):
     max_grad_norm: float = arg(1.0, "gradient clipping", above=0)
     clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)", above=0)
     beta_kl: float = arg(0.01, "KL coefficient β (paper 0.01)")
-    max_steps: int | None = arg(None, "episode step limit (paper 50 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+    max_steps: int | None = arg(None, "episode step limit (paper 50 ALFWorld, 15 WebShop, 4 Search; laptop ≤ 6)",
                                 at_least=1)
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256)", at_least=1)
     eval_temperature: float = arg(0.6, "validation sampling temperature (paper 0.6)")
@@ -124,7 +124,8 @@ PAPER = {  # §4.1, App. C
 PAPER["webshop"] = dict(PAPER["alfworld"], max_steps=15, max_prompt_len=4096, eval_tasks=500)
 PAPER["household"] = PAPER["alfworld"]
 LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
-            reflection_max_tokens=48, reflection_prompt_len=2048, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps
+            reflection_max_tokens=48, reflection_prompt_len=2048, micro_batch=16, eval_every=2, eval_tasks=6,
+              max_steps=6)  # at most: Search-R1 keeps its 4
 
 
 def resolve(args: Args) -> Args:
@@ -138,9 +139,7 @@ def resolve(args: Args) -> Args:
     if args.model == "tiny" or args.env == "household":  # the laptop preset, for any model on household
         for k, v in LAPTOP.items():
             if getattr(args, k) is None:
-                setattr(args, k, v)
-        if args.max_steps is None:
-            args.max_steps = min(6, PAPER[args.env]["max_steps"])
+                setattr(args, k, min(v, PAPER[args.env][k]) if k == "max_steps" else v)  # ≤ 6 steps (Search 4)
     for k, v in PAPER[args.env].items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -95,7 +95,7 @@ class Args(harness.RunArgs):
     clip_eps: float = arg(0.2, "PPO clip ε (paper 0.2)", above=0)
     beta_kl: float | None = arg(None, "KL coefficient β (0.01; 0.001 for Search)")
     lambda_skill: float = arg(0.001, "λ_skill (official scripts 0.001); 0 = plain GRPO")
-    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; laptop ≤ 6)",
                                 at_least=1)
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)", at_least=1)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
@@ -113,7 +113,7 @@ PAPER = {  # B.4, Table 6, official scripts
 PAPER["webshop"] = dict(PAPER["alfworld"], max_steps=15, max_prompt_len=4096, eval_tasks=500)
 PAPER["household"] = PAPER["alfworld"]
 LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, max_response_len=48,
-            analyzer_max_tokens=64, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps, paper K and β
+            analyzer_max_tokens=64, micro_batch=16, eval_every=2, eval_tasks=6, max_steps=6)  # + paper K and β
 
 
 def resolve(args: Args) -> Args:
@@ -123,9 +123,7 @@ def resolve(args: Args) -> Args:
     if args.model == "tiny" or args.env == "household":  # the laptop preset, for any model on household
         for k, v in LAPTOP.items():
             if getattr(args, k) is None:
-                setattr(args, k, v)
-        if args.max_steps is None:  # the laptop preset: at most 6 steps per episode
-            args.max_steps = min(6, PAPER[args.env]["max_steps"])
+                setattr(args, k, min(v, PAPER[args.env][k]) if k == "max_steps" else v)  # ≤ 6 steps (Search 4)
     for k, v in PAPER[args.env].items():  # the rest (|C_τ| max, β) are the paper's also on a laptop
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -91,7 +91,7 @@ class Args(harness.RunArgs):
     skill_source: str = arg("on_policy", "on_policy: θ_old analyzes; static: the stage-1 skill library (Table 2 "
                                          "ablation 'w/o on-policy skill')", ("on_policy", "static"))
     skill_max_tokens: int = arg(256, "skills are cut to this many tokens before injection", at_least=1)
-    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; tiny model ≤ 6)",
+    max_steps: int | None = arg(None, "episode step limit (paper 30 ALFWorld, 15 WebShop, 4 Search; laptop ≤ 6)",
                                 at_least=1)
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)", at_least=1)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
@@ -109,7 +109,8 @@ PAPER = {  # Table 5 / §4.1
 PAPER["webshop"] = dict(PAPER["alfworld"], max_steps=15, max_prompt_len=4096, eval_tasks=500)
 PAPER["household"] = PAPER["alfworld"]
 LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollouts=2, max_prompt_len=1024,
-            max_response_len=48, annotator_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6)  # + ≤6 steps
+            max_response_len=48, annotator_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6,
+              max_steps=6)  # at most: Search-R1 keeps its 4
 
 
 def resolve(args: Args) -> Args:
@@ -119,9 +120,7 @@ def resolve(args: Args) -> Args:
     preset = LAPTOP if args.model == "tiny" or args.env == "household" else PAPER[args.env]  # any model on household
     for k, v in preset.items():
         if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.max_steps is None:  # only the laptop preset leaves it open: at most 6 steps per episode
-        args.max_steps = min(6, PAPER[args.env]["max_steps"])
+            setattr(args, k, min(v, PAPER[args.env][k]) if k == "max_steps" else v)  # laptop: ≤ 6 steps
     if args.skill_source == "static" and args.skip_sft:
         raise SystemExit("--skill_source static needs the stage-1 skill library: drop --skip_sft")
     harness.check_run_args(args)  # tracker, counts, out_dir: before anything loads

@@ -1,11 +1,14 @@
 """Shared test setup for tests/ (test_losses.py, at the root, needs none of it). The checkout's modules import from
-the repository root (`python -m pytest` puts it on sys.path; children get it in PYTHONPATH), the evidence tools as
-`from tools import experiment`.
+the repository root (`python -m pytest` puts it on sys.path), the evidence tools as `from tools import experiment`.
+A child process gets a user's environment: it is started as the docs tell a user to start it (`python seed.py`,
+`torchrun … seed.py`, `python -m tools.<name>`, from the checkout root), and nothing adds the checkout to its
+PYTHONPATH, so a script that imports only because of that variable fails its test. The one exception is a test
+module run as its own worker (`worker_env`), which is not a user command.
 
 The fixtures several test modules use (`d`: the 1-rank gloo group, `tok`: the tiny tokenizer) live here, and so do
 the plain helpers several modules share; a test module imports those with `from conftest import …` (never from
 another test module). The 2-rank workers (`python -m torch.distributed.run tests/test_X.py OUT`) import them the
-same way.
+same way (they are started with `worker_env`).
 
 Markers: `slow` marks the tests that spawn processes (seed.py / opid.py / grsd.py / tools/*.py, torchrun), start
 vLLM, or play real benchmark games; `python -m pytest -q -m "not slow"` is the fast tier, `python -m pytest -q` the
@@ -17,7 +20,7 @@ import os
 import socket
 import subprocess
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,17 @@ def d():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scratch_session_cwd(tmp_path_factory):
+    """Every fixture, whatever its scope, runs outside the checkout: the session starts in an empty directory of its
+    own, before any module-scoped fixture builds `Args` with a default --out_dir (runs/<method>) that the docs' own
+    runs may already fill in the checkout."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("session_cwd"))
+    yield
+    os.chdir(before)
 
 
 @pytest.fixture(autouse=True)
@@ -109,10 +123,19 @@ def env():
 
 
 def clean_env():
-    """This environment without the process-group variables of a group pytest may hold (a child would rendezvous
-    on its port), unbuffered."""
+    """A user's environment: this one without the process-group variables of a group pytest may hold (a child would
+    rendezvous on its port), unbuffered. The checkout is not added to PYTHONPATH: a child imports the root modules
+    the way a user's command does, from the script's folder (`python seed.py`) or the working directory
+    (`python -m tools.X` with cwd = the checkout)."""
     out = {k: v for k, v in os.environ.items() if k not in DIST_ENV + ("LOCAL_WORLD_SIZE",)}
     out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def worker_env():
+    """For a test module run as its own worker (`python tests/test_X.py CHILD`, `torchrun tests/test_seed.py OUT`),
+    not a user command: its sys.path[0] is tests/, so it gets the checkout on PYTHONPATH to import the root modules."""
+    out = env()
     out["PYTHONPATH"] = os.pathsep.join([str(HERE)] + ([out["PYTHONPATH"]] if out.get("PYTHONPATH") else []))
     return out
 
@@ -156,9 +179,20 @@ def check_checkpoint(path):
 
 # ------------------------------------------------------------------------------------------------ HTTP endpoints
 
+class Server(envs.HTTPServer):
+    """The tests' HTTP server (a thread per request, a backlog for a whole batch). A client that hung up before its answer was written (a timeout test: the handler is
+    still asleep when the client gives up) is expected, not an error: socketserver would print its traceback in the
+    middle of a later test's output."""
+
+    def handle_error(self, request, client_address):
+        import sys
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipeError, ConnectionResetError, …
+            super().handle_error(request, client_address)
+
+
 def serve(handler):
     """An OpenAI-style endpoint on localhost served by `handler`; returns (server, its /v1 URL)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = Server(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
 

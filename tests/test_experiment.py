@@ -19,9 +19,9 @@ from tools import backbone as B, experiment as E, mechanism as M, oracle as O
 import grsd
 import opid
 import seed
-from conftest import clean_env
+from conftest import HERE, clean_env
 
-EXPERIMENT = ["-m", "tools.experiment"]  # run from anywhere: the checkout is on the children's PYTHONPATH
+EXPERIMENT = ["-m", "tools.experiment"]  # as the docs run it: from the checkout root (cwd=HERE)
 
 SEEDS, MAX_STEPS = (0,), 15
 
@@ -277,11 +277,19 @@ def test_launch_all_skips_finished_runs_and_restarts_killed_ones(tmp_path):
 def test_experiment_smoke_run(tmp_path):
     """The whole script at 1 update and 1 seed: backbone, mechanism, hints, the dev probe, 4 methods + the backbone
     evals, results JSONL, table and curves; a rerun of `runs` resumes run by run. Two runs at a time on 1 thread each
-    (`--parallel 2`: both cores, two runs at once against one oracle server)."""
+    (`--parallel 2`: both cores, two runs at once against one oracle server). It begins as a fresh clone would, with
+    the README's learning-curve command: `curve --smoke` builds the smoke backbone the rest then uses."""
     out = tmp_path / "exp"
-    env = clean_env()  # (the checkout on PYTHONPATH: `-m tools.experiment` from this test's scratch directory)
+    env = clean_env()
+    # the README's learning-curve command, at 1 update, in a folder with no backbone: its own record and plot
+    curve = subprocess.run([sys.executable, *EXPERIMENT, "curve", "--smoke", "--out", str(out), "--threads", "1"],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
+    assert curve.returncode == 0, curve.stdout[-3000:] + curve.stderr[-3000:]
+    assert "[experiment] curve: GRPO on layout 0, valid_seen" in curve.stdout and (out / "curve.png").is_file()
+    assert (out / "backbone" / "warm_start.json").is_file()
+    assert [r["name"] for r in E.load_results(str(out / "curve" / "runs.jsonl"))] == ["curve-grpo-s0"]
     r = subprocess.run([sys.executable, *EXPERIMENT, "--smoke", "--out", str(out), "--threads", "1", "--parallel", "2"],
-                       capture_output=True, text=True, timeout=900, env=env)
+                       capture_output=True, text=True, timeout=900, env=env, cwd=HERE)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     events = [ln.split(": ", 1)[1].split()[0] for ln in r.stdout.splitlines()
               if ln.startswith("[experiment] ") and ln.split(": ", 1)[-1].startswith(("started", "exit"))]
@@ -311,18 +319,19 @@ def test_experiment_smoke_run(tmp_path):
     assert (results / "curves.png").stat().st_size > 10_000
     shutil.rmtree(out / "grpo-s0")  # as on a fresh machine: runs/ is gone, the record stays
     again = subprocess.run([sys.executable, *EXPERIMENT, "runs", "--smoke", "--out", str(out)],
-                           capture_output=True, text=True, timeout=300, env=env)
+                           capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
     assert again.returncode == 0 and again.stdout.count("runs.jsonl, skipped") == 5, again.stdout  # resumes by record
     assert (results / "table.md").read_text() == table and not (out / "grpo-s0").exists()
     digest = json.loads((results / "backbone.json").read_text())
     assert digest["sha256"] == E.backbone_digest(str(out / "backbone")) and digest["step"] == second["step"]
     (results / "backbone.json").write_text(json.dumps({**digest, "sha256": "0" * 64}))  # a rebuild that differs
     refused = subprocess.run([sys.executable, *EXPERIMENT, "runs", "--smoke", "--out", str(out)],
-                             capture_output=True, text=True, timeout=300, env=env)
+                             capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
     assert refused.returncode != 0 and "is not the one the runs" in refused.stderr, refused.stderr[-2000:]
+    assert f"move {out} away and run this again" in refused.stderr, refused.stderr[-2000:]
     (results / "backbone.json").write_text(json.dumps(digest))
     scaled = subprocess.run([sys.executable, *EXPERIMENT, "scaled", "--smoke", "--out", str(out),
-                             "--threads", "1", "--parallel", "2"], capture_output=True, text=True, timeout=600, env=env)
+                             "--threads", "1", "--parallel", "2"], capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
     assert scaled.returncode == 0, scaled.stdout[-3000:] + scaled.stderr[-3000:]
     records = E.load_results(str(results / "runs.jsonl"))
     check = E.scaled_dev_check(records, 1e-4)
@@ -331,13 +340,42 @@ def test_experiment_smoke_run(tmp_path):
         assert argv[-2:] == E.SCALED[arm.removesuffix("_scaled")] and check[arm] is not None
         assert (f"{arm}-s0" in {r["name"] for r in records}) == (check[arm] >= E.SCALED_FLOOR)
     assert "## Scaled arm (`scaled`), dev layouts" in (results / "table.md").read_text()
-    # the README's learning-curve command, at 1 update: its own record and plot, nothing added to the study's record
+    # the curve again, after the study: its record is kept (not run again), nothing is added to the study's record
     curve = subprocess.run([sys.executable, *EXPERIMENT, "curve", "--smoke", "--out", str(out), "--threads", "1"],
-                           capture_output=True, text=True, timeout=600, env=env)
-    assert curve.returncode == 0, curve.stdout[-3000:] + curve.stderr[-3000:]
-    assert "[experiment] curve: GRPO on layout 0, valid_seen" in curve.stdout and (out / "curve.png").is_file()
+                           capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    assert curve.returncode == 0 and "curve-grpo-s0: recorded in" in curve.stdout, curve.stdout[-3000:] + curve.stderr
     assert [r["name"] for r in E.load_results(str(out / "curve" / "runs.jsonl"))] == ["curve-grpo-s0"]
     assert "curve-grpo-s0" not in {r["name"] for r in E.load_results(str(results / "runs.jsonl"))}
+
+
+def test_smoke_runs_default_to_their_own_folder(capsys):
+    """A smoke backbone or plot never lands in the real run's folder: --smoke has its own default --out, and refuses
+    the real one."""
+    assert E.parse_args(["curve"]).out == E.OUT
+    assert E.parse_args(["curve", "--smoke"]).out == E.SMOKE_OUT != E.OUT
+    assert E.parse_args(["curve", "--smoke", "--out", "elsewhere"]).out == "elsewhere"
+    with pytest.raises(SystemExit):
+        E.parse_args(["curve", "--smoke", "--out", E.OUT])
+    assert "not the real run's" in capsys.readouterr().err
+
+
+def test_backbone_mismatch_names_the_folder_to_move_away(tmp_path):
+    """check_backbone records the digest on first use; a backbone that differs later is refused with the folder to
+    move away, in one line."""
+    backbone, results = tmp_path / "exp" / "backbone", tmp_path / "results"
+    backbone.mkdir(parents=True)
+    results.mkdir()
+    for name, text in (("model.safetensors", "weights"), ("tokenizer.json", "{}"),
+                       ("warm_start.json", json.dumps({"step": 6, "select_success": 0.0}))):
+        (backbone / name).write_text(text)
+    E.check_backbone(str(backbone), str(results), str(tmp_path / "exp"))
+    assert json.loads((results / "backbone.json").read_text())["sha256"] == E.backbone_digest(str(backbone))
+    E.check_backbone(str(backbone), str(results), str(tmp_path / "exp"))  # the same backbone passes
+    (backbone / "model.safetensors").write_text("rebuilt")
+    with pytest.raises(SystemExit) as refused:
+        E.check_backbone(str(backbone), str(results), str(tmp_path / "exp"))
+    message = str(refused.value)
+    assert message.endswith(f"move {tmp_path / 'exp'} away and run this again") and "\n" not in message, message
 
 
 def test_report_regenerates_the_committed_table(tmp_path):

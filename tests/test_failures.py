@@ -26,7 +26,7 @@ import envs
 import grsd
 import opid
 import seed
-from conftest import HERE, SHARED, env, free_port, one_rank, rows_of, run
+from conftest import HERE, SHARED, Server, env, free_port, one_rank, rows_of, run
 
 QA_DATA = SHARED / "search_qa"
 needs_qa = pytest.mark.skipif(not (QA_DATA / "corpus").is_dir(), reason=f"no Search-QA data at {QA_DATA}")
@@ -231,7 +231,7 @@ class Oops(BaseHTTPRequestHandler):
 
 
 def serve(handler):
-    server = envs.HTTPServer(("127.0.0.1", 0), handler)  # a backlog for 40 simultaneous connections
+    server = Server(("127.0.0.1", 0), handler)  # a backlog for 40 simultaneous connections
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 

@@ -28,7 +28,7 @@ import models
 import envs
 import grsd
 from conftest import (HERE, SHARED, TESTS, check_checkpoint, clean_env, free_port, reply, serve, strict_rows_of,
-                      trajectories)
+                      trajectories, worker_env)
 
 LAM, G_HAT, EPS = 0.5, 0.2, 1e-6  # the paper's λ, Ĝ; ε_adv = ε_gap of grsd.Args
 
@@ -532,7 +532,7 @@ def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     single = cached_update(d, tok, batch, **{**MAIN, "micro_batch_tokens": 0})  # fixed micro-batches
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(TESTS / "test_grsd.py"), str(tmp_path / "two.pt")]
-    res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=HERE, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt")
     assert two["row"]["train/tokens"] == single.row["train/tokens"]

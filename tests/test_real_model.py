@@ -26,7 +26,7 @@ import pytest
 import common as C
 import envs
 import models
-from conftest import HERE, SHARED, clean_env, free_port, play
+from conftest import HERE, SHARED, clean_env, free_port, worker_env, play
 
 pytestmark = pytest.mark.slow
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -168,7 +168,7 @@ def vllm_child(model_dir: str, out_path: str):
 def test_vllm_generation_stops_at_the_end_of_turn_and_agrees_with_fp32_scoring(smol_dir, smol_tok, tmp_path):
     out = tmp_path / "vllm.json"
     res = subprocess.run([sys.executable, __file__, "VLLM_CHILD", smol_dir, str(out)], cwd=HERE,
-                         env={**clean_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+                         env=worker_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["stops"] == [0, 2] and got["max_len"] == 2 * 256  # the context_len it was given
@@ -249,5 +249,4 @@ def test_eval_only_on_the_saved_real_model_reproduces_the_logged_eval(smol_dir, 
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["VLLM_CHILD"]:
-    sys.path.insert(0, str(HERE))
     vllm_child(sys.argv[2], sys.argv[3])

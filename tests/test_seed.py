@@ -17,7 +17,7 @@ import common as C
 import harness
 import models
 import seed
-from conftest import HERE, SHARED, TESTS, clean_env, expert_batch, free_port  # noqa: F401  (shared helpers)
+from conftest import HERE, SHARED, TESTS, clean_env, expert_batch, free_port, worker_env  # noqa: F401  (shared helpers)
 
 
 @pytest.fixture(scope="module")
@@ -355,7 +355,7 @@ def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
     row, single, _, _ = run_update(d, tok, batch, sgd=True, micro_batch_tokens=0)  # fixed micro-batches
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(TESTS / "test_seed.py"), str(tmp_path / "two.pt")]
-    res = subprocess.run(cmd, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=HERE, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt")
     assert two["row"]["train/tokens"] == row["train/tokens"]

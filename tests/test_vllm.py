@@ -199,7 +199,7 @@ def test_one_update_with_the_vllm_engine(method, ranks, tmp_path):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["CHILD"]:
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE))  # this test module as its own worker (not a user command): sys.path[0] is tests/
     child(sys.argv[2])
 
 

@@ -26,6 +26,9 @@ Deviations / choices:
 """
 from __future__ import annotations
 
+if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
+    raise SystemExit("tools/backbone.py is the learning experiment's warm start, not a command: run `python -m tools.experiment backbone` from the checkout root")
+
 import json
 import math
 import os

@@ -48,6 +48,9 @@ Deviations / choices:
 """
 from __future__ import annotations
 
+if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
+    raise SystemExit('run tools/bench.py as a module, from the checkout root: python -m tools.bench')
+
 import argparse
 import bisect
 import json

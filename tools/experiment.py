@@ -16,7 +16,9 @@ report is made from.
   python -m tools.experiment curve           #     one GRPO learning curve on layout 0 -> <out>/curve.png (README)
   python -m tools.experiment report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
   python -m tools.experiment oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
-  python -m tools.experiment --smoke         # a 1-update version of everything into <out>/results (tests/test_experiment.py)
+  python -m tools.experiment --smoke         # a 1-update version of everything -> runs/experiment-smoke, its own folder
+                                             #    (results in <out>/results; tests/test_experiment.py); with --smoke,
+                                             #    any subcommand builds its 4-step backbone there when it has none
 
 1. Backbone: tools/backbone.py (warm start, 2 stages).
 2. External models: tools/oracle.py (the oracle stand-in endpoint).
@@ -42,6 +44,9 @@ Deviations / choices:
 """
 from __future__ import annotations
 
+if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
+    raise SystemExit('run tools/experiment.py as a module, from the checkout root: python -m tools.experiment')
+
 import argparse
 import hashlib
 import json
@@ -61,6 +66,7 @@ from tools.oracle import Oracle, replay, serve_oracle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = "runs/experiment"
+SMOKE_OUT = "runs/experiment-smoke"  # --smoke's default --out: a smoke backbone or plot never lands in the real run's
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -687,17 +693,18 @@ def backbone_digest(backbone: str) -> str:
     return h.hexdigest()
 
 
-def check_backbone(backbone: str, results: str) -> None:
-    """Every run in results/runs.jsonl must start from one backbone. runs/ is not kept between machines, so a later
-    sitting may rebuild it: its digest is recorded in results/backbone.json on first use and checked on every later
-    one, so a rebuilt backbone that differs is refused instead of mixed into the table."""
+def check_backbone(backbone: str, results: str, away: str) -> None:
+    """Every run in results/runs.jsonl must start from one backbone. runs/ is not committed, so a fresh clone
+    may rebuild it: its digest is recorded in results/backbone.json on first use and checked on every later
+    one, so a rebuilt backbone that differs is refused instead of mixed into the table. The refusal names `away`,
+    the folder to move away before running again."""
     path, digest = os.path.join(results, "backbone.json"), backbone_digest(backbone)
     if os.path.isfile(path):
         want = json.load(open(path))["sha256"]
         if want != digest:
             raise SystemExit(f"[experiment] the backbone at {backbone} (sha256 {digest[:16]}…) is not the one the runs "
-                             f"in {results}/runs.jsonl started from ({want[:16]}…, {path}): rebuild it or move the "
-                             f"results away")
+                             f"in {results}/runs.jsonl started from ({want[:16]}…, {path}): move {away} away and "
+                             f"run this again")
         return
     kept = json.load(open(os.path.join(backbone, "warm_start.json")))
     with open(path, "w") as f:
@@ -752,7 +759,9 @@ def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float = 
     """Run a phase's planned_runs one by one (launch_all). Each finished run goes to results/runs.jsonl at once
     (phase "dev", "final", "learn-dev", "learn" or "curve"); a run recorded there is not run again (check_backbone: on
     the same backbone)."""
-    check_backbone(backbone, results)
+    # on a mismatch, a.out is the folder to move away: the record of a real run is in docs/results, and without
+    # a.out/backbone the committed copy is used (under --smoke: a.out is rebuilt, its record with it)
+    check_backbone(backbone, results, a.out)
     plan = planned_runs(b, phase, lr, load_results(os.path.join(results, "runs.jsonl")))
     oracle = Oracle(tuple(sorted({s for _, _, s, _ in plan})) or b.seeds, room=b.room)
     server = serve_oracle(oracle)
@@ -793,18 +802,26 @@ def run_jobs(a, b: Budget, backbone: str, phase: str, results: str, lr: float = 
         raise SystemExit(f"[experiment] failed: {failed} (see {a.out}/<name>.log)")
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cmd", nargs="?", default="all", choices=COMMANDS)
-    p.add_argument("--out", default=OUT, help=f"experiment folder [default: {OUT}]")
-    p.add_argument("--smoke", action="store_true", help="1 update, 1 seed, a 4-step warm start (the test); its results "
-                   "go to <out>/results instead of docs/results")
+    p.add_argument("--out", default=None, help=f"experiment folder [default: {OUT}; {SMOKE_OUT} with --smoke]")
+    p.add_argument("--smoke", action="store_true", help="1 update, 1 seed, a 4-step warm start (the test), built by "
+                   "any subcommand that finds none; its results go to <out>/results instead of docs/results")
     p.add_argument("--lr", type=float, default=None, help="lr of the final runs [default: the dev probes' best]")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time [default: 1]")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run [default: 2]")
     p.add_argument("--port", type=int, default=8000, help="oracle port for `oracle` [default: 8000]")
     a = p.parse_args(argv)
+    a.out = a.out or (SMOKE_OUT if a.smoke else OUT)
+    if a.smoke and os.path.abspath(a.out) == os.path.abspath(OUT):
+        p.error(f"--smoke writes its own folder, not the real run's {OUT}")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     cfg = SMOKE if a.smoke else FULL
     b, backbone = cfg["budget"], os.path.join(a.out, "backbone")
     results = os.path.join(a.out, "results") if a.smoke else RESULTS
@@ -820,7 +837,7 @@ def main(argv=None):
         threading.Event().wait()
     if a.cmd == "report":
         return report(results)
-    if a.cmd in ("all", "backbone") and not os.path.isfile(os.path.join(backbone, "warm_start.json")):
+    if (a.cmd in ("all", "backbone") or a.smoke) and not os.path.isfile(os.path.join(backbone, "warm_start.json")):
         import torch
         torch.set_num_threads(a.threads * a.parallel)
         clone = os.path.join(a.out, "backbone_clone")  # stage 1: cloning, to the first check with 20-40 % success

@@ -50,6 +50,9 @@ throughput. The CPU smoke only proves that every part's code runs.
 """
 from __future__ import annotations
 
+if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
+    raise SystemExit('run tools/gpu_check.py as a module, from the checkout root: python -m tools.gpu_check')
+
 import argparse
 import importlib.metadata
 import json
@@ -208,7 +211,7 @@ def child_env(smoke: bool, hf_engine: bool = False) -> dict:
 def run_child(kind: str, model: str, root: str, smoke: bool) -> dict:
     """`python -m tools.gpu_check --child KIND`: its stdout goes straight through, its stderr (vLLM's log) to
     OUT/KIND.stderr; returns the numbers it wrote to OUT/KIND.json."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model, "--out", root] + \
+    cmd = [sys.executable, "-m", "tools.gpu_check", "--child", kind, "--model", model, "--out", root] + \
         (["--cpu-smoke"] if smoke else [])
     err_path = os.path.join(root, f"{kind}.stderr")
     sys.stdout.flush()
@@ -692,7 +695,7 @@ def main(argv=None):
         raise SystemExit("[gpu_check] no GPU here: run it on a GPU machine, or pass --cpu-smoke")
     device = "cpu" if a.cpu_smoke else "cuda"
     say(versions())
-    root = a.out or tempfile.mkdtemp(prefix="gpu_check-")
+    root = a.out or tempfile.mkdtemp(prefix="gpu_check-")  # without --out: removed again once every check passed
     os.makedirs(root, exist_ok=True)
     parts = {"engine": part_engine, "updates": part_updates, "big-update": part_big_update,
              "mismatch": part_mismatch, "projection": part_projection}
@@ -700,9 +703,13 @@ def main(argv=None):
     for name in PARTS if a.part == "all" else (a.part,):
         t = time.perf_counter()
         say(f"== {name} ==")
-        parts[name](a, root, device)
+        parts[name](a, root, device)  # a failed check exits here and leaves its output in `root` to read
         say(f"{name}: passed in {time.perf_counter() - t:.0f} s")
-    say(f"all checks passed ({a.part}) in {time.perf_counter() - t0:.0f} s; output in {root}")
+    if a.out:
+        say(f"all checks passed ({a.part}) in {time.perf_counter() - t0:.0f} s; output in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+        say(f"all checks passed ({a.part}) in {time.perf_counter() - t0:.0f} s (pass --out DIR to keep the output)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ Deviations / choices:
 """
 from __future__ import annotations
 
+if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
+    raise SystemExit("tools/oracle.py is the learning experiment's endpoint, not a command: run `python -m tools.experiment` from the checkout root")
+
 import json
 import re
 import threading

