@@ -273,24 +273,71 @@ def rollout_metrics(trajs: list[Trajectory], d: Dist, prefix: str = "charts/") -
 
 
 def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_response, temperature, seed,
-             prefix: str = "eval/", context=None) -> dict:
+             prefix: str = "eval/", context=None) -> tuple[dict, list[dict]]:
     """Held-out success: per task family, over all instances (`eval/success`, GRSD's average) and with families
-    weighted equally (`eval/success_family_avg`, SEED Eq. 16). Sampling draws from its own stream seeded by `seed`,
-    so a checkpoint scores the same during training and with --eval_only, and eval never shifts the training RNG."""
+    weighted equally (`eval/success_family_avg`, SEED Eq. 16), each with its 95 % interval (eval_intervals).
+    Sampling draws from its own stream seeded by `seed`, so a checkpoint scores the same during training and with
+    --eval_only, and eval never shifts the training RNG. Returns (metrics, the per-task records in task_ids' order):
+    every rank computes the metrics from all ranks' records in that order, so no sum depends on the rank split."""
     mine = task_ids[d.rank::d.world]
     with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):
         torch.manual_seed(seed + d.rank)
         trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0, context) if mine \
             else ([], 0)
+    order = {t: i for i, t in enumerate(task_ids)}
+    records = sorted((r for part in all_gather_objects([task_record(tr) for tr in trajs]) for r in part),
+                     key=lambda r: order[r["task"]])
+    return eval_metrics(records, prefix), records
+
+
+def task_record(tr: Trajectory) -> dict:
+    """One evaluated episode, as eval/<update>.jsonl stores it."""
+    return {"task": tr.task_id, "family": tr.family, "success": int(tr.won), "steps": len(tr.turns),
+            "return": tr.reward, "invalid": sum(not t.valid for t in tr.turns),
+            "response_tokens": sum(len(t.response_ids) for t in tr.turns), "score": tr.score}
+
+
+def eval_metrics(records: list[dict], prefix: str = "eval/") -> dict:
+    """The eval/* keys from per-task records (sums in the records' order)."""
     per_family: dict[str, list[int]] = {}
-    for part in all_gather_objects([(tr.family, tr.won) for tr in trajs]):
-        for fam, won in part:
-            per_family.setdefault(fam, []).append(int(won))
+    for r in records:
+        per_family.setdefault(r["family"], []).append(r["success"])
     out = {f"{prefix}success/{f}": sum(v) / len(v) for f, v in sorted(per_family.items())}
-    wins = [w for v in per_family.values() for w in v]
+    n, turns = max(len(records), 1), max(sum(r["steps"] for r in records), 1)
     out[f"{prefix}success_family_avg"] = sum(out.values()) / max(len(out), 1)
-    out[f"{prefix}success"] = sum(wins) / max(len(wins), 1)
-    out.update({k: v for k, v in rollout_metrics(trajs, d, prefix).items() if k != f"{prefix}success_rate"})
+    out[f"{prefix}success"] = sum(r["success"] for r in records) / n
+    out.update({f"{prefix}return": sum(r["return"] for r in records) / n,
+                f"{prefix}episode_length": sum(r["steps"] for r in records) / n,
+                f"{prefix}invalid_action_rate": sum(r["invalid"] for r in records) / turns,
+                f"{prefix}response_tokens": sum(r["response_tokens"] for r in records) / turns,
+                f"{prefix}score": sum(r["score"] for r in records) / n})
+    out.update(eval_intervals(per_family, prefix))
+    return out
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95 % Wilson score interval of a success rate k/n (n = 0: the whole [0, 1])."""
+    if n == 0:
+        return 0.0, 1.0
+    p, z2 = k / n, z * z
+    mid, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def eval_intervals(per_family: dict[str, list[int]], prefix: str, reps: int = 2000) -> dict:
+    """95 % intervals of every eval/success* key: Wilson for a rate over episodes (eval/success, each family's);
+    for the family average, the 2.5 / 97.5 percentiles of a bootstrap that resamples each family's tasks
+    (stratified, `reps` draws from a fixed seed, so the same records give the same interval)."""
+    out = {}
+    fams = sorted(per_family)
+    for key, wins in [("success", [w for f in fams for w in per_family[f]])] + \
+            [(f"success/{f}", per_family[f]) for f in fams]:
+        out[f"{prefix}ci_lo/{key}"], out[f"{prefix}ci_hi/{key}"] = wilson(sum(wins), len(wins))
+    rng = random.Random(0)
+    avgs = sorted(sum(sum(rng.choices(per_family[f], k=len(per_family[f]))) / len(per_family[f]) for f in fams)
+                  / max(len(fams), 1) for _ in range(reps))
+    out[f"{prefix}ci_lo/success_family_avg"] = avgs[int(0.025 * reps)] if fams else 0.0
+    out[f"{prefix}ci_hi/success_family_avg"] = avgs[int(0.975 * reps) - 1] if fams else 1.0
     return out
 
 

@@ -243,11 +243,11 @@ def read_rows(path: str) -> list[dict]:
 
 
 def clear_run(out_dir: str, rows_only: bool = False):
-    """--overwrite: the earlier run's rows and args, and unless `rows_only` its checkpoints (complete, pruned or
-    partial) and TensorBoard events. Nothing else in out_dir is touched."""
+    """--overwrite: the earlier run's rows, args and per-task eval records, and unless `rows_only` its checkpoints
+    (complete, pruned or partial) and TensorBoard events. Nothing else in out_dir is touched."""
     for name in os.listdir(out_dir):
         p = os.path.join(out_dir, name)
-        ckpt = os.path.isdir(p) and (name == "tensorboard" or name.endswith(".tmp") or
+        ckpt = os.path.isdir(p) and (name in ("tensorboard", "eval") or name.endswith(".tmp") or
                                      os.path.isfile(os.path.join(p, "config.json")) or
                                      os.path.isdir(os.path.join(p, STATE)))
         if name in ("metrics.jsonl", "args.json", "samples.jsonl"):
@@ -587,6 +587,7 @@ class Run:
         done = sum(1 for r in rows if "update" in r)  # the bar counts updates (not SEED's stage-1 row)
         self.bar = tqdm(total=total, initial=done, desc=method, disable=not d.main, dynamic_ncols=True)
         self.shown: dict[str, float] = {}
+        self.last_eval: dict | None = None  # the newest row with eval/success: the end-of-run line shows it
         self.warned_off = False  # the rollout/trainer mismatch warning (end_update) is printed once
         self.replies = Replies(getattr(args, "log_samples", 0))  # what the policy and the endpoints wrote
 
@@ -649,6 +650,8 @@ class Run:
         for key, short in (("charts/success_rate", "success"), ("losses/total", "loss"), ("eval/success", "eval")):
             if row.get(key) is not None:
                 self.shown[short] = row[key]  # tqdm shows 3 significant digits: a loss of 1.57e-05 is not "0"
+        if row.get("eval/success") is not None:
+            self.last_eval = row
         self.bar.set_postfix(self.shown)
         if "update" in row or row.get("eval_only"):  # an update's row (or the eval-only run's one); not stage 1's
             self.bar.update(1)
@@ -712,7 +715,17 @@ class Run:
         if self.d.main:
             ckpts = sorted(n for n in os.listdir(self.out) if os.path.isfile(os.path.join(self.out, n, "config.json")))
             print(f"[{self.method}] metrics: {self.path} | checkpoints: {', '.join(ckpts) or 'none'} in {self.out} | "
-                  f"args: {os.path.join(self.out, 'args.json')}")
+                  f"args: {os.path.join(self.out, 'args.json')}{eval_summary(self.last_eval)}")
+
+
+def eval_summary(row: dict | None) -> str:
+    """The end-of-run line's tail: the last evaluation's success rates with their 95 % intervals."""
+    if row is None:
+        return ""
+    parts = [f"{p}success {row[p + 'success']:.3f} [{row[p + 'ci_lo/success']:.3f}, {row[p + 'ci_hi/success']:.3f}]"
+             for p in ("eval/", "eval_unseen/") if row.get(p + "success") is not None and p + "ci_lo/success" in row]
+    at = f" (update {row['update']})" if "update" in row else ""
+    return " | " + ", ".join(parts) + at if parts else ""
 
 
 def eval_only(args, method: str, d: Dist, model: str, tok, evals, context_len: int, context=None):
@@ -722,7 +735,7 @@ def eval_only(args, method: str, d: Dist, model: str, tok, evals, context_len: i
     run, timer = Run(args, method, d, total=1), Timer()
     engine = make_engine(args, model, tok, d, context_len)
     with timer("eval"):
-        row = evaluate_all(engine, evals, args, d, context)
+        row = evaluate_all(engine, evals, args, d, 0, context)  # its records: eval/0.jsonl
     run.log({"eval_only": 1, "model": args.model, "eval_split": args.eval_split, **row, **timer.as_metrics()})
     run.close()
     return engine
@@ -871,6 +884,9 @@ def task_envs(args):
         for prefix, split in splits:
             make_valid = functools.partial(envs.make_env, args.env, split=split, **kw)
             ids = make_valid().task_ids()
+            if not ids or len(set(ids)) < len(ids):  # records and metrics are keyed by task id
+                raise envs.DataError(f"the {split} split has {len(ids)} task ids, {len(set(ids))} distinct: it needs "
+                                     f"at least one, each once")
             evals.append((prefix, make_valid, random.Random(args.seed).sample(ids, min(args.eval_tasks, len(ids)))))
         train_ids = make_train().task_ids()
     except (envs.DataError, FileNotFoundError) as e:
@@ -881,13 +897,36 @@ def task_envs(args):
     return train_ids, make_train, evals
 
 
-def evaluate_all(engine, evals, args, d: Dist, context=None) -> dict:
-    """`evaluate` on every held-out split of task_envs, each under its own metrics prefix (context: see collect)."""
-    row = {}
+def evaluate_all(engine, evals, args, d: Dist, update: int, context=None) -> dict:
+    """`evaluate` on every held-out split of task_envs, each under its own metrics prefix (context: see collect);
+    the per-task records of all splits go to out_dir/eval/<update>.jsonl (write_eval_records)."""
+    row, records = {}, []
     for prefix, make_valid, ids in evals:
-        row.update(C.evaluate(engine, make_valid, ids, d, args.max_prompt_len, args.max_response_len,
-                            args.eval_temperature, args.seed, prefix, context))
+        metrics, recs = C.evaluate(engine, make_valid, ids, d, args.max_prompt_len, args.max_response_len,
+                                   args.eval_temperature, args.seed, prefix, context)
+        split = "valid_unseen" if prefix == "eval_unseen/" else \
+            ("valid_seen" if args.eval_split == "both" else args.eval_split)
+        row.update(metrics)
+        records += [{"split": split, **r} for r in recs]
+    write_eval_records(os.path.join(args.out_dir, "eval", f"{update}.jsonl"), records, d)
     return row
+
+
+def write_eval_records(path: str, records: list[dict], d: Dist):
+    """One JSON line per evaluated task (split, task, family, success, steps, return, invalid, response_tokens,
+    score), written by rank 0 through a temporary file; a failed write stops every rank with one line."""
+    error = None
+    if d.main:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            error = e
+    error = saving_error(error, d, os.path.dirname(os.path.dirname(path)))
+    if error is not None:
+        raise SystemExit(f"saving {path} failed: {error}")
 
 
 def validate(update: int, args, engine, policy, evals, d: Dist, timer, context=None) -> dict:
@@ -896,7 +935,7 @@ def validate(update: int, args, engine, policy, evals, d: Dist, timer, context=N
         return {}
     engine.sync(policy)
     with timer("eval"):
-        return evaluate_all(engine, evals, args, d, context)
+        return evaluate_all(engine, evals, args, d, update, context)
 
 
 def padding_metrics(d: Dist) -> dict:

@@ -217,8 +217,8 @@ def test_evaluate_uses_the_context(d, tok):
     ctx, seen = baselines.library_context(lib, tok, args), []
     engine = models.HFEngine(models.load_model("tiny", 0), tok, torch.device("cpu"))
     make = lambda: envs.make_env("household", split="valid_seen", seed=0, max_steps=2)  # noqa: E731
-    row = C.evaluate(engine, make, make().task_ids()[:2], d, 1024, 8, 0.4, 0, "eval/",
-                     lambda env: seen.append(ctx(env)) or seen[-1])
+    row, _ = C.evaluate(engine, make, make().task_ids()[:2], d, 1024, 8, 0.4, 0, "eval/",
+                        lambda env: seen.append(ctx(env)) or seen[-1])
     assert row["eval/episode_length"] > 0 and len(seen) >= 2
     assert all(p.startswith(seed.LIBRARY_HEADER + "\n") for p in seen)
 

@@ -10,6 +10,7 @@ own commands last, so that the fast tier runs in the copy after the documented r
 must not depend on what the working directory holds)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -99,6 +100,45 @@ NOT_HERE = {  # command -> why it cannot run in this test
 }
 
 
+def check_bench_smoke(copy: Path):
+    """After `python -m tools.bench --smoke`: SEED's stage 1 as the shared start, one update of each method from it,
+    the oracle over HTTP as OPID's analyzer (so OPID's teacher scores tokens), the table and bench.json."""
+    out = copy / "runs" / "bench"
+    info = json.loads((out / "bench.json").read_text())
+    m = info["methods"]
+    assert m["grpo"]["x_grpo"] == 1.0 and all(m[k]["s_per_update"] > 0 for k in ("grpo", "seed", "opid", "grsd"))
+    rows = {k: [json.loads(x) for x in (out / k / "round0" / "metrics.jsonl").read_text().splitlines()] for k in m}
+    assert all(len(r) == 1 and r[0]["update"] == 0 for r in rows.values())  # one alternated round
+    for k in ("seed", "opid", "grsd"):  # same start, same seed: GRPO's very rollouts (so the totals compare)
+        assert m[k]["same_rollouts"] == 1 and all(rows[k][0][x] == rows["grpo"][0][x] for x in (
+            "perf/rollout_turns", "perf/rollout_prompt_tokens", "perf/rollout_gen_tokens"))
+    assert rows["opid"][0]["perf/teacher_seqs"] == rows["opid"][0]["perf/rollout_turns"] > 0  # every turn taught
+    cal = info["calibration"]["decode"]  # full-batch decoding timed at GRPO's and SEED's / GRSD's mean contexts
+    assert [x for x, _ in cal] == sorted({round(m[k]["lengths"]["decode_context"]) for k in ("seed", "grsd")} | {
+        round(m["seed"]["lengths"]["rollout_decode_context"])}) and all(y > 0 for _, y in cal)
+    assert rows["opid"][0]["analyzer/parsed_frac"] == 1 and m["opid"]["teacher_tokens"] == \
+        rows["opid"][0]["perf/teacher_tokens"] > 0 and m["opid"]["teacher_s"] > 0
+    assert rows["grpo"][0]["perf/teacher_tokens"] == 0 and rows["grpo"][0]["losses/opd"] == 0
+    g = rows["grpo"][0]  # GRPO reads and writes nothing outside its rollouts
+    assert g["perf/generated_tokens"] == g["perf/rollout_gen_tokens"] > 0 and \
+        g["perf/prompt_tokens"] == g["perf/rollout_prompt_tokens"] > 0 and g["perf/prompts"] == g["perf/rollout_turns"]
+    assert g["perf/rollout_turns"] == g["charts/episode_length"] * 4 > 0  # a prompt per turn of 2 tasks x 2 rollouts
+    for k in ("seed", "grsd"):  # the policy as analyzer / reflector: prompts read and tokens generated, priced
+        r = rows[k][0]
+        assert r["perf/prompts"] - r["perf/rollout_turns"] == 4  # one analysis / reflection per trajectory
+        assert m[k]["extra_gen_tokens"] == r["perf/generated_tokens"] - r["perf/rollout_gen_tokens"] > 0 and \
+            m[k]["extra_prompt_tokens"] == r["perf/prompt_tokens"] - r["perf/rollout_prompt_tokens"] > 0 and \
+            m[k]["generate_s"] > 0
+    assert info["oracle"]["requests/seed"] > 0 and info["oracle"]["requests/opid"] == 4 == rows["opid"][0][
+        "endpoint/analyzer/requests"]  # stage 1; OPID: one request per trajectory (2 tasks x 2 rollouts)
+    table = (out / "bench.md").read_text()
+    assert 0 < m["seed"]["unavoidable_full_batch_s"] and "own / unavoidable at full-batch decode" in table
+    assert table.startswith("| method | updates |") and "| opid | 1 |" in table
+
+
+CHECKS = {"python -m tools.bench --smoke": check_bench_smoke}  # command -> what it must have written
+
+
 def documented_commands() -> list[tuple[str, str]]:
     """(file, command) for every command line of a fenced bash block: `\\`-continued lines joined, comments and
     blank lines dropped, white space folded."""
@@ -172,9 +212,29 @@ def test_every_documented_command_runs_as_written(tmp_path, capsys):
         assert res.returncode == 0, f"{f}: `{line}` exited {res.returncode}; its last 20 lines:\n{tail}"
         if re.match(r"(python|torchrun( --\S+ \S+)*) (seed|opid|grsd)\.py", line):
             assert re.search(r"^\[(seed|opid|grsd)\] metrics: ", res.stdout, re.M), f"{line}: no result line\n{tail}"
+        if line in CHECKS:
+            CHECKS[line](copy)
         ran.append(f"  {time.time() - t0:6.0f} s  {line}")
     assert re.search(r"\d+ passed", res.stdout) and "failed" not in res.stdout and "error" not in res.stdout
     with capsys.disabled():
         print(f"\n[docs] executed {len(ran)} documented commands in a pristine copy:\n" + "\n".join(ran))
         print(f"[docs] not run here ({len({c for c in NOT_HERE})}):\n" +
               "\n".join(f"  {c}\n      -> {why}" for c, why in NOT_HERE.items()))
+
+
+def test_every_tool_run_by_its_path_runs_or_names_the_module_command():  # ~1.5 s: no child imports torch
+    """`python tools/X.py` (the path a user tab-completes): sys.path[0] is then tools/, so the checkout's modules do
+    not import. Each tool either works that way (--help) or refuses in one line naming `python -m tools.X` — never a
+    traceback (before: five of nine ended in ModuleNotFoundError, gpu_check after printing its header)."""
+    env = users_env()
+    for tool in sorted((HERE / "tools").glob("*.py")):
+        if tool.name == "__init__.py":
+            continue
+        res = subprocess.run([sys.executable, f"tools/{tool.name}", "--help"], cwd=HERE, env=env, capture_output=True,
+                             text=True, timeout=120)
+        lines = res.stderr.strip().splitlines()
+        if res.returncode == 0:
+            assert res.stdout.startswith("usage:"), (tool.name, res.stdout[:300])
+        else:
+            assert len(lines) == 1 and "python -m tools." in lines[0] and "Traceback" not in res.stderr, \
+                (tool.name, res.stderr[-1000:])

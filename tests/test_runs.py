@@ -294,7 +294,9 @@ def test_plot_draws_one_line_per_run_and_writes_a_png(two_runs, tmp_path):
 @pytest.mark.slow
 def test_compare_prints_one_row_per_run(two_runs):
     res = run([sys.executable, "-m", "tools.plot", "compare", *map(str, two_runs)])
-    lines = res.stdout.strip().splitlines()
+    table, tasks = res.stdout.strip().split("\n\n")  # two runs with per-task records: then task by task
+    assert "6 tasks paired at update 1" in tasks and "| valid_seen | all | 6 |" in tasks  # the laptop's 6 eval tasks
+    lines = table.splitlines()
     assert lines[0].startswith("| run | updates | final eval | best eval |") and "× first" in lines[0]
     assert len(lines) == 4 and lines[2].endswith("| 1.00× |")
     for line, run_dir in zip(lines[2:], two_runs):
@@ -372,6 +374,83 @@ def test_plot_and_compare_stay_readable_with_six_runs(tmp_path, capsys):
     assert short[2] == "| opid model=SmolLM2-135M-Instruct lr=1e-06 | 2 | 0.200 | 0.200 | 2.50 | 1.00× |"
     plot.cli(["compare", "--all", *dirs])
     assert capsys.readouterr().out.splitlines()[0].endswith("| clean | s/update rollout | s/update | × first |")
+
+
+def test_mcnemar_p_by_hand():
+    """Exact two-sided McNemar: 2 Σ_{k ≤ min(b, c)} C(b + c, k) / 2^(b + c), at most 1 (issue 55)."""
+    assert plot.mcnemar_p(0, 5) == 2 / 32 == 0.0625
+    assert plot.mcnemar_p(1, 9) == plot.mcnemar_p(9, 1) == 2 * (1 + 10) / 1024 == 0.021484375
+    assert plot.mcnemar_p(3, 3) == 1.0 and plot.mcnemar_p(0, 0) == 1.0
+
+
+def task_run(path, method, evals):
+    """A run folder by hand: args.json, one metrics row, and eval/<update>.jsonl from {update: {split: [(task,
+    family, success)]}}."""
+    (path / "eval").mkdir(parents=True)
+    (path / "args.json").write_text(json.dumps({"method": method}))
+    (path / "metrics.jsonl").write_text(json.dumps({"update": 0, "eval/success": 0.0}) + "\n")
+    for update, splits in evals.items():
+        rows = [{"split": split, "task": task, "family": family, "success": success, "steps": 3, "return": success,
+                 "invalid": 0, "response_tokens": 20} for split, tasks in splits.items()
+                for task, family, success in tasks]
+        (path / "eval" / f"{update}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def tasks_of(successes, families=("clean",) * 5 + ("heat",) * 3):
+    return [(f"t{i}", family, s) for i, (family, s) in enumerate(zip(families, successes))]
+
+
+@pytest.fixture
+def paired_runs(tmp_path):
+    """A and B on the same 8 valid_seen and 2 valid_unseen tasks (B's rows in another order), at updates 2 and 4; A
+    also at 6. At 4, B wins t0-t4 (clean) and t1 of valid_unseen, and loses t5 (heat); at 2 they tie."""
+    unseen = [("u0", "cool", 1), ("u1", "cool", 0)]
+    a = task_run(tmp_path / "a", "grpo", {2: {"valid_seen": tasks_of([0] * 8)},
+                                          4: {"valid_seen": tasks_of([0, 0, 0, 0, 0, 1, 0, 0]), "valid_unseen": unseen},
+                                          6: {"valid_seen": tasks_of([1] * 8)}})
+    b = task_run(tmp_path / "b", "seed", {2: {"valid_seen": tasks_of([0] * 8)[::-1]},
+                                          4: {"valid_unseen": [("u1", "cool", 1), ("u0", "cool", 1)],
+                                              "valid_seen": tasks_of([1, 1, 1, 1, 1, 0, 0, 0])[::-1]}})
+    return a, b
+
+
+def test_tasks_pairs_two_runs_at_their_latest_common_eval(paired_runs, capsys):
+    """Issue 55: `tasks A B` pairs the per-task records by task id at the latest update both evaluated (4, not A's 6),
+    per split and per family: B's wins (A failed, B succeeded), losses and McNemar's p; --update 2 pairs update 2."""
+    plot.cli(["tasks", *paired_runs])
+    assert capsys.readouterr().out.splitlines() == [
+        "A = grpo, B = seed: 10 tasks paired at update 4",
+        "| split | family | tasks | A success | B success | B wins | B losses | McNemar p |",
+        "|---|---|---|---|---|---|---|---|",
+        "| valid_seen | all | 8 | 0.125 | 0.625 | 5 | 1 | 0.219 |",  # 2 (1 + 6) / 2^6
+        "| valid_seen | clean | 5 | 0.000 | 1.000 | 5 | 0 | 0.0625 |",
+        "| valid_seen | heat | 3 | 0.333 | 0.000 | 0 | 1 | 1 |",
+        "| valid_unseen | all | 2 | 0.500 | 1.000 | 1 | 0 | 1 |",
+        "| valid_unseen | cool | 2 | 0.500 | 1.000 | 1 | 0 | 1 |"]
+    plot.cli(["tasks", *paired_runs, "--update", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("8 tasks paired at update 2")
+    assert out[3] == "| valid_seen | all | 8 | 0.000 | 0.000 | 0 | 0 | 1 |"
+
+
+def test_tasks_refuses_runs_that_evaluated_different_tasks_in_one_line(paired_runs, tmp_path):
+    c = task_run(tmp_path / "c", "opid", {4: {"valid_seen": tasks_of([1] * 8)[:7] + [("t9", "heat", 1)]}})
+    with pytest.raises(SystemExit, match=r"evaluated different tasks at update 4: 4 task ids in only one") as e:
+        plot.compare_tasks(paired_runs[0], c)  # t7, t9 and A's 2 valid_unseen ids
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match=r"/c: no eval/6.jsonl \(evaluated updates: \[4\]\)$"):
+        plot.compare_tasks(paired_runs[0], c, update=6)
+
+
+def test_tasks_refuses_a_run_without_per_task_records_in_one_line(paired_runs, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "args.json").write_text(json.dumps({"method": "grpo"}))
+    (old / "metrics.jsonl").write_text(json.dumps({"update": 0, "eval/success": 0.0}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        plot.cli(["tasks", str(old), paired_runs[1]])
+    assert str(e.value) == f"{old / 'eval'}: no <update>.jsonl (the run predates per-task records or evaluated nothing)"
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
@@ -522,46 +601,6 @@ def test_a_run_sends_every_row_to_its_tracker(tracker, tmp_path, monkeypatch):
             got = [{"_step": step, **{k: v for k, v in json.loads(m).items() if not k.startswith("_")}}
                    for step, m in db.execute(query, (f"seed:{out.name}",))]
     assert got == [{"_step": row["update"] + 1, **{k: v for k, v in row.items() if k != "note"}} for row in rows]
-
-
-@pytest.mark.slow
-def test_bench_smoke_compares_every_method_with_grpo(tmp_path):
-    """python -m tools.bench --smoke: SEED's stage 1 as the shared start, one update of each method from it, the oracle
-    over HTTP as OPID's analyzer (so OPID's teacher scores tokens), the table and bench.json (CI, ≤ 2 minutes)."""
-    out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, "-m", "tools.bench", "--smoke", "--out", str(out)], cwd=HERE,
-                         env=env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    info = json.loads((out / "bench.json").read_text())
-    m = info["methods"]
-    assert m["grpo"]["x_grpo"] == 1.0 and all(m[k]["s_per_update"] > 0 for k in ("grpo", "seed", "opid", "grsd"))
-    rows = {k: [json.loads(x) for x in (out / k / "round0" / "metrics.jsonl").read_text().splitlines()] for k in m}
-    assert all(len(r) == 1 and r[0]["update"] == 0 for r in rows.values())  # one alternated round
-    for k in ("seed", "opid", "grsd"):  # same start, same seed: GRPO's very rollouts (so the totals compare)
-        assert m[k]["same_rollouts"] == 1 and all(rows[k][0][x] == rows["grpo"][0][x] for x in (
-            "perf/rollout_turns", "perf/rollout_prompt_tokens", "perf/rollout_gen_tokens"))
-    assert rows["opid"][0]["perf/teacher_seqs"] == rows["opid"][0]["perf/rollout_turns"] > 0  # every turn taught
-    cal = info["calibration"]["decode"]  # full-batch decoding timed at GRPO's and SEED's / GRSD's mean contexts
-    assert [x for x, _ in cal] == sorted({round(m[k]["lengths"]["decode_context"]) for k in ("seed", "grsd")} | {
-        round(m["seed"]["lengths"]["rollout_decode_context"])}) and all(y > 0 for _, y in cal)
-    assert rows["opid"][0]["analyzer/parsed_frac"] == 1 and m["opid"]["teacher_tokens"] == \
-        rows["opid"][0]["perf/teacher_tokens"] > 0 and m["opid"]["teacher_s"] > 0
-    assert rows["grpo"][0]["perf/teacher_tokens"] == 0 and rows["grpo"][0]["losses/opd"] == 0
-    g = rows["grpo"][0]  # GRPO reads and writes nothing outside its rollouts
-    assert g["perf/generated_tokens"] == g["perf/rollout_gen_tokens"] > 0 and \
-        g["perf/prompt_tokens"] == g["perf/rollout_prompt_tokens"] > 0 and g["perf/prompts"] == g["perf/rollout_turns"]
-    assert g["perf/rollout_turns"] == g["charts/episode_length"] * 4 > 0  # a prompt per turn of 2 tasks x 2 rollouts
-    for k in ("seed", "grsd"):  # the policy as analyzer / reflector: prompts read and tokens generated, priced
-        r = rows[k][0]
-        assert r["perf/prompts"] - r["perf/rollout_turns"] == 4  # one analysis / reflection per trajectory
-        assert m[k]["extra_gen_tokens"] == r["perf/generated_tokens"] - r["perf/rollout_gen_tokens"] > 0 and \
-            m[k]["extra_prompt_tokens"] == r["perf/prompt_tokens"] - r["perf/rollout_prompt_tokens"] > 0 and \
-            m[k]["generate_s"] > 0
-    assert info["oracle"]["requests/seed"] > 0 and info["oracle"]["requests/opid"] == 4 == rows["opid"][0][
-        "endpoint/analyzer/requests"]  # stage 1; OPID: one request per trajectory (2 tasks x 2 rollouts)
-    table = (out / "bench.md").read_text()
-    assert 0 < m["seed"]["unavoidable_full_batch_s"] and "own / unavoidable at full-batch decode" in table
-    assert table.startswith("| method | updates |") and "| opid | 1 |" in table
 
 
 def test_bench_prices_unavoidable_work_at_grpos_rates():

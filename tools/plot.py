@@ -1,10 +1,12 @@
 """Curves and comparison tables from runs' metrics files (matplotlib only for `plot`):
   python -m tools.plot plot RUN_DIR...       # curves.png next to the runs (-o to choose)
   python -m tools.plot compare RUN_DIR...    # eval success and time per update (--all: per family and phase)
+  python -m tools.plot tasks RUN_A RUN_B     # the same eval tasks paired: B's wins / losses, McNemar p (--update N)
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 
 SIGNAL = {"seed": ("opd/gate_mean", "OPD gate mean"), "opid": ("adv/skill_share", "skill-advantage share"),
@@ -128,6 +130,75 @@ def compare_runs(run_dirs: list[str], every_column: bool = False) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
+def eval_files(run_dir: str) -> dict[int, str]:
+    """{update: path} of the run's per-task eval records, eval/<update>.jsonl; none is one line naming the folder."""
+    folder = os.path.join(run_dir, "eval")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    files = {int(n[:-6]): os.path.join(folder, n) for n in names if n.endswith(".jsonl") and n[:-6].isdigit()}
+    if not files:
+        raise SystemExit(f"{folder}: no <update>.jsonl (the run predates per-task records or evaluated nothing)")
+    return files
+
+
+def read_tasks(path: str) -> dict[tuple[str, str], dict]:
+    """One eval's records by (split, task id); an unreadable line or a task twice in a split is one line naming it."""
+    tasks = {}
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise SystemExit(f"{path} line {i + 1} is not JSON: {line[:80]!r}") from None
+            if (row["split"], row["task"]) in tasks:
+                raise SystemExit(f"{path} line {i + 1}: task {row['task']!r} of {row['split']} twice")
+            tasks[row["split"], row["task"]] = row
+    return tasks
+
+
+def mcnemar_p(wins: int, losses: int) -> float:
+    """McNemar's exact two-sided test (McNemar 1947, Psychometrika 12:153; its exact conditional form: Fagerland et
+    al. 2013, BMC Med. Res. Methodol. 13:91): if neither run is better, each of the n = wins + losses discordant tasks
+    goes either way with probability 1/2, so p = min(1, 2 Σ_{k ≤ min(wins, losses)} C(n, k) / 2^n); 1 at n = 0."""
+    n = wins + losses
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2 ** n)
+
+
+def compare_tasks(run_a: str, run_b: str, update: int | None = None) -> str:
+    """A markdown table pairing two runs' eval task by task at their latest common evaluated update (or `update`):
+    per split, then per family, the tasks, both success rates, B's wins (A failed, B succeeded) and losses, and
+    McNemar's p on them. Runs that evaluated different tasks (another --seed, --eval_tasks or --eval_split) are
+    refused in one line."""
+    files = [eval_files(run_a), eval_files(run_b)]
+    common = sorted(set(files[0]) & set(files[1]))
+    if update is None and not common:
+        raise SystemExit(f"{run_a} and {run_b} share no evaluated update ({sorted(files[0])} vs {sorted(files[1])})")
+    update = common[-1] if update is None else update
+    for run_dir, f in zip((run_a, run_b), files):
+        if update not in f:
+            raise SystemExit(f"{run_dir}: no eval/{update}.jsonl (evaluated updates: {sorted(f)})")
+    a, b = (read_tasks(f[update]) for f in files)
+    if a.keys() != b.keys():
+        raise SystemExit(f"{run_a} and {run_b} evaluated different tasks at update {update}: "
+                         f"{len(a.keys() ^ b.keys())} task ids in only one of them "
+                         "(the same --seed, --eval_tasks and --eval_split pair them)")
+    labels = run_labels([read_run(run_a), read_run(run_b)], [run_a, run_b])
+    head = ["split", "family", "tasks", "A success", "B success", "B wins", "B losses", "McNemar p"]
+    lines = [f"A = {labels[0]}, B = {labels[1]}: {len(a)} tasks paired at update {update}",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for split in sorted({s for s, _ in a}):
+        keys = [k for k in a if k[0] == split]
+        for family in ["all"] + sorted({a[k]["family"] for k in keys}):
+            pairs = [(bool(a[k]["success"]), bool(b[k]["success"])) for k in keys
+                     if family in ("all", a[k]["family"])]
+            wins, losses = sum(y and not x for x, y in pairs), sum(x and not y for x, y in pairs)
+            cells = [split, family, str(len(pairs)), f"{sum(x for x, _ in pairs) / len(pairs):.3f}",
+                     f"{sum(y for _, y in pairs) / len(pairs):.3f}", str(wins), str(losses),
+                     f"{mcnemar_p(wins, losses):.3g}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
 
 def cli(argv=None):
     import argparse
@@ -139,6 +210,9 @@ def cli(argv=None):
     comp = sub.add_parser("compare", help="markdown table of eval success and seconds per update")
     comp.add_argument("runs", nargs="+", help="run directories (each with args.json and metrics.jsonl)")
     comp.add_argument("--all", action="store_true", help="also per-family success and seconds per update by phase")
+    tasks = sub.add_parser("tasks", help="markdown table pairing two runs' eval task by task: wins, losses, McNemar p")
+    tasks.add_argument("runs", nargs=2, metavar="RUN", help="run directories A then B (each with eval/<update>.jsonl)")
+    tasks.add_argument("--update", type=int, help="the evaluated update to pair [default: the latest both have]")
     a = p.parse_args(argv)
     for r in a.runs:
         if not os.path.isfile(os.path.join(r, "metrics.jsonl")):
@@ -147,8 +221,12 @@ def cli(argv=None):
         out = a.out or default_png(a.runs)
         plot_runs(a.runs, out)
         print(f"wrote {out}")
+    elif a.cmd == "tasks":
+        print(compare_tasks(*a.runs, a.update))
     else:
         print(compare_runs(a.runs, a.all))
+        if len(a.runs) == 2 and all(os.path.isdir(os.path.join(r, "eval")) for r in a.runs):
+            print("\n" + compare_tasks(*a.runs))  # two runs with per-task records: also task by task
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""Held-out evaluation (issue 55, parts 2-3): per-task records, the eval/* keys computed from them, and the 95 %
+intervals of every eval/success* key (Wilson by hand; the family average's stratified bootstrap)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+import common as C
+from conftest import HERE, env, rows_of, trajectories
+
+
+def test_wilson_interval_by_hand():
+    """(p + z²/2n ± z·sqrt(p(1−p)/n + z²/4n²)) / (1 + z²/n), z = 1.959964."""
+    z2 = 1.959964 ** 2
+    lo, hi = C.wilson(5, 10)
+    half = 1.959964 * math.sqrt(0.025 + z2 / 400) / (1 + z2 / 10)
+    assert (lo, hi) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-12)
+    assert (round(lo, 4), round(hi, 4)) == (0.2366, 0.7634)  # the textbook 5/10 interval
+    assert C.wilson(0, 10)[0] == 0.0 and round(C.wilson(0, 10)[1], 4) == 0.2775
+    assert C.wilson(10, 10)[1] == pytest.approx(1.0) and round(C.wilson(10, 10)[0], 4) == 0.7225
+    assert C.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_every_success_key_gets_its_interval_and_the_bootstrap_is_fixed():
+    records = [{"task": f"t{i}", "family": "a" if i < 6 else "b", "success": int(i in (0, 1, 2, 6)), "steps": 3,
+                "return": 1.0, "invalid": 1, "response_tokens": 9, "score": 0.5} for i in range(10)]
+    m = C.eval_metrics(records)
+    assert m["eval/success"] == 0.4 and m["eval/success/a"] == 0.5 and m["eval/success/b"] == 0.25
+    assert m["eval/success_family_avg"] == 0.375
+    successes = [k for k in m if k.startswith("eval/success")]
+    assert len(successes) == 4
+    for k in successes:  # every eval/success* key: lo ≤ value ≤ hi
+        key = k.removeprefix("eval/")
+        assert m[f"eval/ci_lo/{key}"] <= m[k] <= m[f"eval/ci_hi/{key}"], k
+    assert (m["eval/ci_lo/success"], m["eval/ci_hi/success"]) == C.wilson(4, 10)
+    assert (m["eval/ci_lo/success/b"], m["eval/ci_hi/success/b"]) == C.wilson(1, 4)
+    assert C.eval_metrics(records) == m  # the bootstrap draws from a fixed seed
+    lo, hi = m["eval/ci_lo/success_family_avg"], m["eval/ci_hi/success_family_avg"]
+    assert 0.0 < lo < 0.375 < hi < 1.0  # family a: 3/6, family b: 1/4; both families vary in the resamples
+    assert m["eval/invalid_action_rate"] == 1 / 3 and m["eval/response_tokens"] == 3.0 and m["eval/score"] == 0.5
+
+
+def test_metrics_from_records_equal_the_rollout_metrics_of_the_same_episodes(d, tok):
+    """The eval/* keys now come from the per-task records (so no sum depends on how the tasks were split over
+    ranks); on one rank they equal what rollout_metrics gave for the same trajectories, to the last bit."""
+    import envs
+    ids = envs.make_env("household", split="train", seed=0).task_ids()
+    trajs = trajectories(tok, ids[0], 2, 2) + trajectories(tok, ids[1], 1, 1)
+    for k, tr in enumerate(trajs):
+        tr.task_id = f"{tr.task_id}#{k}"  # one record per episode
+    records = [C.task_record(tr) for tr in trajs]
+    got = C.eval_metrics(records)
+    old = C.rollout_metrics(trajs, d, "eval/")
+    for key in ("return", "episode_length", "invalid_action_rate", "response_tokens", "score"):
+        assert got[f"eval/{key}"] == old[f"eval/{key}"], key
+    assert got["eval/success"] == old["eval/success_rate"]
+    assert json.loads(json.dumps(records)) == records  # what eval/<update>.jsonl holds
+
+
+@pytest.mark.slow
+def test_each_evaluation_writes_its_per_task_records_and_eval_only_reproduces_them(tmp_path):
+    """A run writes eval/<update>.jsonl at every evaluation (one line per task: split, task, family, success, steps,
+    return, invalid, response_tokens, score); the rows' eval/* keys are those records' metrics; --eval_only of final/
+    writes eval/0.jsonl with the same records (same seed, same episodes); the end-of-run line shows the interval."""
+    run, ev = tmp_path / "run", tmp_path / "ev"
+    res = subprocess.run([sys.executable, "opid.py", "--out_dir", str(run), "--eval_every", "1"], cwd=HERE, env=env(),
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in rows_of(run) if "eval/success" in r]
+    assert [r["update"] for r in rows] == [0, 1]
+    for r in rows:
+        records = [json.loads(x) for x in open(run / "eval" / f"{r['update']}.jsonl")]
+        assert len(records) == 6 and len({x["task"] for x in records}) == 6  # the laptop preset's 6 eval tasks
+        assert {x["split"] for x in records} == {"valid_seen"}
+        assert C.eval_metrics([{k: v for k, v in x.items() if k != "split"} for x in records]) == \
+            {k: v for k, v in r.items() if k.startswith("eval/")}
+    last = rows[-1]
+    assert f"eval/success {last['eval/success']:.3f} [{last['eval/ci_lo/success']:.3f}, " in res.stdout.splitlines()[-1]
+    res = subprocess.run([sys.executable, "opid.py", "--eval_only", "--model", str(run / "final"), "--out_dir", str(ev)],
+                         cwd=HERE, env=env(), capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (ev / "eval" / "0.jsonl").read_text() == (run / "eval" / "1.jsonl").read_text()
+
+
+@pytest.mark.parametrize("ids,said", [([], "has 0 task ids, 0 distinct"), (["a", "b", "a"], "has 3 task ids, 2 distinct")])
+def test_an_empty_split_or_duplicate_task_ids_are_one_line_errors(ids, said, monkeypatch):
+    import types
+
+    import envs
+    import harness
+    import opid
+    args = opid.resolve(opid.Args(out_dir="run"))
+    monkeypatch.setattr(envs, "make_env", lambda *a, **k: types.SimpleNamespace(task_ids=lambda: ids))
+    with pytest.raises(SystemExit, match=f"^--env household: the valid_seen split {said}: it needs at least one"):
+        harness.task_envs(args)
