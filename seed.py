@@ -110,7 +110,7 @@ PAPER["webshop"] = dict(PAPER["alfworld"], max_steps=15, max_prompt_len=4096, ev
 PAPER["household"] = PAPER["alfworld"]
 LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, sft_tasks=4, sft_rollouts=2, max_prompt_len=1024,
             max_response_len=48, annotator_max_tokens=48, micro_batch=16, eval_every=2, eval_tasks=6,
-              max_steps=6)  # at most: Search-R1 keeps its 4
+            max_steps=6)  # at most: Search-R1 keeps its 4
 
 
 def resolve(args: Args) -> Args:

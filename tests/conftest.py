@@ -180,9 +180,9 @@ def check_checkpoint(path):
 # ------------------------------------------------------------------------------------------------ HTTP endpoints
 
 class Server(envs.HTTPServer):
-    """The tests' HTTP server (a thread per request, a backlog for a whole batch). A client that hung up before its answer was written (a timeout test: the handler is
-    still asleep when the client gives up) is expected, not an error: socketserver would print its traceback in the
-    middle of a later test's output."""
+    """The tests' HTTP server (a thread per request, a backlog for a whole batch). A client that hung up before its
+    answer was written (a timeout test: the handler is still asleep when the client gives up) is expected, not an
+    error: socketserver would print its traceback in the middle of a later test's output."""
 
     def handle_error(self, request, client_address):
         import sys

@@ -31,7 +31,7 @@ FAST_TIER = 'python -m pytest -q -m "not slow"'
 SIZED = {  # command -> flags appended: the command at a size that fits a CPU test
     "python opid.py --model ~/.cache/skill-sd/SmolLM2-135M-Instruct --out_dir runs/opid_smollm2 --threads 1 "
     "--updates 2 --tasks_per_update 2 --group_size 2 --max_steps 3 --max_prompt_len 1024 --max_response_len 48 "
-    "--analyzer_max_tokens 64 --eval_every 1 --eval_tasks 2 --log_samples 4 --grad_ckpt": "--updates 1",  # 2-4 min/update
+    "--analyzer_max_tokens 64 --eval_every 1 --eval_tasks 2 --log_samples 4 --grad_ckpt": "--updates 1",  # ~3 min each
     "python -m tools.bench": "--smoke",  # 5 rounds × 4 methods: ~20 minutes
     "python -m tools.bench --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 "
     "--out runs/bench_alfworld": "--smoke",  # real ALFWorld games, 1 round of 2 tasks × 2 rollouts × 3 steps
@@ -40,7 +40,8 @@ SIZED = {  # command -> flags appended: the command at a size that fits a CPU te
 
 RUN_AS_WRITTEN = {  # the laptop commands, run exactly as the docs give them
     "python seed.py", "torchrun --nproc_per_node 2 seed.py --out_dir runs/seed_2rank",
-    "python seed.py --engine vllm --out_dir runs/seed_vllm", "python -m tools.convert_gguf", "python -m tools.bench --smoke",
+    "python seed.py --engine vllm --out_dir runs/seed_vllm", "python -m tools.convert_gguf",
+    "python -m tools.bench --smoke",
     "torchrun --nproc_per_node 2 opid.py --engine vllm --out_dir runs/opid_vllm", "python -m tools.experiment report",
     "python opid.py --eval_only --model runs/opid/final --max_prompt_len 1024 --max_response_len 48 --max_steps 6 "
     "--out_dir runs/opid_eval",

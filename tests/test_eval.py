@@ -39,6 +39,13 @@ def test_every_success_key_gets_its_interval_and_the_bootstrap_is_fixed():
     assert C.eval_metrics(records) == m  # the bootstrap draws from a fixed seed
     lo, hi = m["eval/ci_lo/success_family_avg"], m["eval/ci_hi/success_family_avg"]
     assert 0.0 < lo < 0.375 < hi < 1.0  # family a: 3/6, family b: 1/4; both families vary in the resamples
+    # by hand: family a always wins (its resample is always 1), b = [0, 1] resamples to 0, 1/2, 1 with 1/4, 1/2, 1/4;
+    # the average (1 + b)/2 is then 1/2, 3/4, 1: the 2.5 / 97.5 percentiles are exactly 1/2 and 1. Resampling the
+    # pooled tasks instead (not stratified) would put a loss into family a and push the lower end below 1/2.
+    two = C.eval_intervals({"a": [1, 1], "b": [0, 1]}, "eval/")
+    assert (two["eval/ci_lo/success_family_avg"], two["eval/ci_hi/success_family_avg"]) == (0.5, 1.0)
+    tied = C.eval_intervals({"a": [1, 1, 1], "b": [0, 0]}, "eval/")  # no spread to resample: a point
+    assert tied["eval/ci_lo/success_family_avg"] == tied["eval/ci_hi/success_family_avg"] == 0.5
     assert m["eval/invalid_action_rate"] == 1 / 3 and m["eval/response_tokens"] == 3.0 and m["eval/score"] == 0.5
 
 
@@ -78,13 +85,14 @@ def test_each_evaluation_writes_its_per_task_records_and_eval_only_reproduces_th
             {k: v for k, v in r.items() if k.startswith("eval/")}
     last = rows[-1]
     assert f"eval/success {last['eval/success']:.3f} [{last['eval/ci_lo/success']:.3f}, " in res.stdout.splitlines()[-1]
-    res = subprocess.run([sys.executable, "opid.py", "--eval_only", "--model", str(run / "final"), "--out_dir", str(ev)],
-                         cwd=HERE, env=env(), capture_output=True, text=True, timeout=400)
+    res = subprocess.run([sys.executable, "opid.py", "--eval_only", "--model", str(run / "final"),
+                          "--out_dir", str(ev)], cwd=HERE, env=env(), capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (ev / "eval" / "0.jsonl").read_text() == (run / "eval" / "1.jsonl").read_text()
 
 
-@pytest.mark.parametrize("ids,said", [([], "has 0 task ids, 0 distinct"), (["a", "b", "a"], "has 3 task ids, 2 distinct")])
+@pytest.mark.parametrize("ids,said", [([], "has 0 task ids, 0 distinct"),
+                                      (["a", "b", "a"], "has 3 task ids, 2 distinct")])
 def test_an_empty_split_or_duplicate_task_ids_are_one_line_errors(ids, said, monkeypatch):
     import types
 

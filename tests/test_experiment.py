@@ -331,7 +331,8 @@ def test_experiment_smoke_run(tmp_path):
     assert f"move {out} away and run this again" in refused.stderr, refused.stderr[-2000:]
     (results / "backbone.json").write_text(json.dumps(digest))
     scaled = subprocess.run([sys.executable, *EXPERIMENT, "scaled", "--smoke", "--out", str(out),
-                             "--threads", "1", "--parallel", "2"], capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
+                             "--threads", "1", "--parallel", "2"], capture_output=True, text=True, timeout=600, env=env,
+                            cwd=HERE)
     assert scaled.returncode == 0, scaled.stdout[-3000:] + scaled.stderr[-3000:]
     records = E.load_results(str(results / "runs.jsonl"))
     check = E.scaled_dev_check(records, 1e-4)

@@ -26,7 +26,7 @@ import pytest
 import common as C
 import envs
 import models
-from conftest import HERE, SHARED, clean_env, free_port, worker_env, play
+from conftest import HERE, SHARED, clean_env, free_port, play, worker_env
 
 pytestmark = pytest.mark.slow
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

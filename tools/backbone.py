@@ -27,7 +27,8 @@ Deviations / choices:
 from __future__ import annotations
 
 if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
-    raise SystemExit("tools/backbone.py is the learning experiment's warm start, not a command: run `python -m tools.experiment backbone` from the checkout root")
+    raise SystemExit("tools/backbone.py is part of the learning experiment, not a command: from the checkout "
+                     "root, run `python -m tools.experiment backbone`")
 
 import json
 import math

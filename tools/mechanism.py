@@ -32,7 +32,8 @@ oracle skills is >= 0.75 for SEED, OPID and GRSD.
 from __future__ import annotations
 
 if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
-    raise SystemExit('tools/mechanism.py is a part of the learning experiment, not a command: run `python -m tools.experiment mechanism` from the checkout root')
+    raise SystemExit("tools/mechanism.py is part of the learning experiment, not a command: from the checkout "
+                     "root, run `python -m tools.experiment mechanism`")
 
 import json
 import random

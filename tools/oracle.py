@@ -18,7 +18,8 @@ Deviations / choices:
 from __future__ import annotations
 
 if not __package__:  # run by its file path: the checkout's modules (envs, models, …) are not importable then
-    raise SystemExit("tools/oracle.py is the learning experiment's endpoint, not a command: run `python -m tools.experiment` from the checkout root")
+    raise SystemExit("tools/oracle.py is part of the learning experiment, not a command: from the checkout "
+                     "root, run `python -m tools.experiment`")
 
 import json
 import re
