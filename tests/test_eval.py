@@ -103,3 +103,16 @@ def test_an_empty_split_or_duplicate_task_ids_are_one_line_errors(ids, said, mon
     monkeypatch.setattr(envs, "make_env", lambda *a, **k: types.SimpleNamespace(task_ids=lambda: ids))
     with pytest.raises(SystemExit, match=f"^--env household: the valid_seen split {said}: it needs at least one"):
         harness.task_envs(args)
+
+
+def test_a_per_task_file_that_cannot_be_written_stops_the_run_in_one_line(d, tmp_path):
+    """write_eval_records: a failed write (here out_dir/eval is a file, not a folder) is one line on every rank,
+    like a checkpoint that cannot be saved; nothing half-written is left."""
+    import harness
+    (tmp_path / "eval").write_text("not a folder")
+    path = tmp_path / "eval" / "3.jsonl"
+    with pytest.raises(SystemExit, match=r"^saving .*eval/3\.jsonl failed: (NotADirectoryError|FileExistsError)"):
+        harness.write_eval_records(str(path), [{"task": "t", "success": 1}], d)
+    harness.write_eval_records(str(tmp_path / "ok" / "eval" / "0.jsonl"), [{"task": "t", "success": 1}], d)
+    assert [json.loads(x) for x in open(tmp_path / "ok" / "eval" / "0.jsonl")] == [{"task": "t", "success": 1}]
+    assert not (tmp_path / "ok" / "eval" / "0.jsonl.tmp").exists()
