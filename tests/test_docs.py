@@ -5,9 +5,9 @@ first on PATH (`python`, `torchrun`), one OpenMP thread. Commands too large for 
 appended and nothing else changed; commands that cannot run here are in NOT_HERE with the reason, and the test prints
 that list. A fenced command that is in neither table, and is not a size-flagged twin of an earlier one, fails the test.
 
-Order: README.md, then the reference pages in the order README lists them, each file top to bottom; the test suite's
-own commands last, so that the fast tier runs in the copy after the documented runs have filled its runs/ (a test
-must not depend on what the working directory holds)."""
+Order: README.md, then the reference pages in the order README lists them, each file top to bottom. The test suite's
+own two commands are not run here: .ci/run runs the full suite (the fast tier is part of it) from a clean clone,
+with the README's command."""
 from __future__ import annotations
 
 import json
@@ -25,8 +25,6 @@ from conftest import HERE, SHARED, clean_env, free_port
 
 DOCS = ["README.md", "docs/environments.md", "docs/methods.md", "docs/metrics.md", "docs/baselines.md",
         "docs/long-runs.md", "docs/engines.md", "docs/cost.md", "docs/experiment.md", "docs/testing.md"]
-
-FAST_TIER = 'python -m pytest -q -m "not slow"'
 
 SIZED = {  # command -> flags appended: the command at a size that fits a CPU test
     "python opid.py --model ~/.cache/skill-sd/SmolLM2-135M-Instruct --out_dir runs/opid_smollm2 --threads 1 "
@@ -47,7 +45,7 @@ RUN_AS_WRITTEN = {  # the laptop commands, run exactly as the docs give them
     "--out_dir runs/opid_eval",
     "python -m tools.plot plot runs/grpo runs/seed runs/opid runs/grsd",
     "python -m tools.plot compare runs/grpo runs/seed runs/opid runs/grsd",
-    "python opid.py", "python grsd.py", "python opid.py --lambda_skill 0 --out_dir runs/grpo", FAST_TIER,
+    "python opid.py", "python grsd.py", "python opid.py --lambda_skill 0 --out_dir runs/grpo",
 }
 
 GPU = "a GPU node's command (8 ranks at the paper's scale, a hub model); rehearsed on CPU by tests/test_rehearsal.py"
@@ -61,6 +59,7 @@ NOT_HERE = {  # command -> why it cannot run in this test
     "pip install wandb==0.31.0 trackio==0.43.0": INSTALL,
     "pip install -r requirements-gpu.txt": "the GPU wheel (vllm==0.32.0, CUDA) does not install on a CPU machine",
     "python -m pytest -q -ra --durations=25": "the full suite: this test is part of it",
+    'python -m pytest -q -m "not slow"': "the fast tier: part of the full suite, which .ci/run runs from a clean clone",
     "torchrun --nproc_per_node 8 seed.py --env alfworld --data_dir /path/to/alfworld": GPU,
     "torchrun --nproc_per_node 8 seed.py --env alfworld": GPU,
     "torchrun --nproc_per_node 8 seed.py --env alfworld --rollout_is token": GPU,
@@ -202,7 +201,6 @@ def test_every_documented_command_runs_as_written(tmp_path, capsys):
             continue
         seen.add(line)
         plan.append((f, line))
-    plan.sort(key=lambda fc: fc[1] == FAST_TIER)  # stable: document order, the fast tier last
     copy = pristine_copy(tmp_path)
     env = users_env()
     ran = []
@@ -216,7 +214,6 @@ def test_every_documented_command_runs_as_written(tmp_path, capsys):
         if line in CHECKS:
             CHECKS[line](copy)
         ran.append(f"  {time.time() - t0:6.0f} s  {line}")
-    assert re.search(r"\d+ passed", res.stdout) and "failed" not in res.stdout and "error" not in res.stdout
     with capsys.disabled():
         print(f"\n[docs] executed {len(ran)} documented commands in a pristine copy:\n" + "\n".join(ran))
         print(f"[docs] not run here ({len({c for c in NOT_HERE})}):\n" +

@@ -139,6 +139,23 @@ def test_oracle_http_contract(oracle):
     assert stats.get("requests/None", 0) >= 1
 
 
+def test_oracle_concurrent_requests_get_the_sequential_replies(oracle):
+    """The server's threads share one replay env per layout seed: concurrent requests must not interleave their
+    resets and steps (an interleaved replay fails and the trajectory gets the generic fallback)."""
+    from concurrent.futures import ThreadPoolExecutor
+    o, client, _ = oracle
+    prompts = [seed.trajectory_input(traj) for *_, traj, _ in episodes(16, 0.3, rng_seed=7)] * 4
+    want = [o.reply(p) for p in prompts[:16]] * 4
+    before, interval = o.stats.get("fallback/seed", 0), sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, as a loaded machine does
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda p: client.complete([{"role": "user", "content": p}], 0, 256), prompts))
+    finally:
+        sys.setswitchinterval(interval)
+    assert got == want and o.stats.get("fallback/seed", 0) == before
+
+
 def test_warm_start_data_labels_are_admissible_and_hints_true():
     pairs = B.warm_start_data(n_tasks=6, max_steps=MAX_STEPS, hindsight=True)  # stage 2's data: all of it
     kinds = {k for k, _, _ in pairs}

@@ -334,7 +334,9 @@ class Oracle:
             for tid in env.task_ids():
                 spec = envs.make_household_task(tid, s, room)
                 self.index.setdefault(spec["task"], []).append((s, tid))
-        self.stats, self.lock = {}, threading.Lock()
+        # one replay env per layout seed, shared by the server's threads: a replay holds `replay_lock` so two
+        # concurrent requests never reset and step the same env (a race that turned a replay into a fallback)
+        self.stats, self.lock, self.replay_lock = {}, threading.Lock(), threading.Lock()
 
     def count(self, key: str):
         with self.lock:
@@ -362,7 +364,8 @@ class Oracle:
         role = role_of(prompt)
         self.count(f"requests/{role}")
         parsed = parse_record(prompt, role) if role else None
-        found = self.facts(parsed) if parsed else None
+        with self.replay_lock:
+            found = self.facts(parsed) if parsed else None
         self.count(f"{'replayed' if found else 'fallback'}/{role}")
         if role is None:
             return "I can only analyze household trajectories."
