@@ -295,6 +295,38 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
     return eval_metrics(records, prefix), records
 
 
+def task_reward(tr: Trajectory) -> float:
+    """The episode's reward without the invalid-action penalties. A turn's reward is its task reward minus the
+    penalty when it was penalised (envs.Env.step); a task reward is never negative and a penalised step earns none,
+    so a turn's task reward is max(r, 0) and its penalty max(−r, 0)."""
+    return sum(max(t.reward, 0.0) for t in tr.turns)
+
+
+def step_scores(tr: Trajectory) -> list[float]:
+    """--follow code: each step's score in the released codes (verl-agent's EpisodeRewardManager puts the episode's
+    task reward on every step; the trainer's apply_invalid_action_penalty then subtracts the penalty from the invalid
+    step's own score only)."""
+    return [task_reward(tr) - max(-t.reward, 0.0) for t in tr.turns]
+
+
+def code_step_advantages(trajs: list[Trajectory], std_norm: bool = True) -> list[list[float]]:
+    """--follow code (OPID gigpo/core_gigpo.py episode_norm_reward; GRSD verl core_algos.py
+    compute_grpo_outcome_advantage; both with compute_mean_std_cross_steps on): every step-sample of a group is
+    normalised with all the group's step-samples (a longer trajectory weighs more), in float32 as the code:
+    (s − μ)/(σ + 1e-6) with σ = torch.std (unbiased), or s − μ without std_norm (OPID's mean_norm scripts); a group
+    of one sample has μ = 0, σ = 1. Ties are not special: eight 0.9s give −0.056, not 0. Per trajectory, per step."""
+    scores = [torch.tensor(step_scores(tr), dtype=torch.float32) for tr in trajs]
+    out: list[list[float]] = [[] for _ in trajs]
+    for g in sorted({tr.group for tr in trajs}):
+        rows = [i for i, tr in enumerate(trajs) if tr.group == g]
+        s = torch.cat([scores[i] for i in rows])
+        mu, sd = (s.mean(), s.std()) if len(s) > 1 else (torch.tensor(0.0), torch.tensor(1.0))
+        a = ((s - mu) / (sd + 1e-6) if std_norm else s - mu).split([len(scores[i]) for i in rows])
+        for i, x in zip(rows, a):
+            out[i] = x.tolist()
+    return out
+
+
 def sample_key(*parts) -> int:
     """A 63-bit seed from its parts, e.g. (--seed, "eval", task id, turn): the same in every process and on every rank
     (Python's hash() of a str is salted per process). The engines seed one response's sampling with it."""
@@ -359,7 +391,7 @@ def eval_intervals(per_family: dict[str, list[int]], prefix: str, reps: int = 20
 
 
 def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]], device,
-                      temperature: float = 1.0):
+                      temperature: float = 1.0, with_entropy: bool = False):
     """Returns (logp [B, R], mask [B, R]): column j holds log π(response token j | prompt, response tokens < j), R is
     the longest response. π is the distribution the rollouts sample, softmax(logits / temperature), as verl's actor
     scores it: at the papers' temperature 1 the model's own (also at temperature 0, greedy, which has no tempered
@@ -367,7 +399,8 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     and are masked), so a micro-batch is as wide as its longest sequence and every response ends in the last column:
     the model computes logits only for the last R + 1 positions (logits_to_keep), and each row's log-probs are then
     shifted to start at column 0. Left padding needs explicit position ids
-    (pos = cumsum(mask) − 1): padded and unpadded rows then give the same log-probs (test_losses)."""
+    (pos = cumsum(mask) − 1): padded and unpadded rows then give the same log-probs (test_losses). with_entropy:
+    also the full-vocabulary entropy of π at each response token [B, R] (the released codes' entropy bonus)."""
     W, R = max(len(p) + len(r) for p, r in zip(prompts, responses)), max(len(r) for r in responses)
     ids = torch.zeros((len(prompts), W), dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -379,11 +412,16 @@ def sequence_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1,
                    use_cache=False).logits[:, :-1]  # (a model in eval mode would build a KV cache nobody reads)
     logits = logits.float() / (temperature if temperature > 0 else 1.0)
-    right = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
+    logsm = torch.log_softmax(logits, dim=-1)
+    right = logsm.gather(-1, ids[:, W - R:, None]).squeeze(-1)  # [B, R]
     n = torch.tensor([len(r) for r in responses], device=ids.device)[:, None]
     cols = torch.arange(R, device=ids.device)[None, :]
     mask = cols < n  # response token j of row i sits in column R - n_i + j of `right`
-    return right.gather(1, (cols + R - n).clamp(max=max(R - 1, 0))), mask.float()
+    shift = (cols + R - n).clamp(max=max(R - 1, 0))
+    if with_entropy:
+        entropy = -(logsm.exp() * logsm).sum(-1)  # H(π(·|prefix)) = −Σ_v p_v log p_v, [B, R]
+        return right.gather(1, shift), mask.float(), entropy.gather(1, shift)
+    return right.gather(1, shift), mask.float()
 
 
 def count_forward(tally: list[int], prompts: list[list[int]], responses: list[list[int]]):
@@ -471,10 +509,10 @@ class MicroBatch:
         the world size (FSDP averages gradients over ranks); a dummy's by 0 (it only keeps the collectives in step)."""
         (loss * self.scale).backward()
 
-    def logprobs(self, model):
-        """(ℓ_θ [B, R], mask [B, R]) of its responses, with gradient."""
+    def logprobs(self, model, with_entropy: bool = False):
+        """(ℓ_θ [B, R], mask [B, R]) of its responses, with gradient (and the entropy [B, R], with_entropy)."""
         count_forward(self.tally, self.prompts, self.responses)
-        return sequence_logprobs(model, self.prompts, self.responses, self.device, self.temperature)
+        return sequence_logprobs(model, self.prompts, self.responses, self.device, self.temperature, with_entropy)
 
     def rows(self, per_sample, dummy: float = 0.0) -> torch.Tensor:
         """[B, R]: its samples' 1-D per-token tensors, right-padded with 0; a None entry (a turn without a teacher)
@@ -525,6 +563,13 @@ def clipped_surrogate(logp, old_logp, adv, clip_eps: float) -> torch.Tensor:
     """Per-token PPO/GRPO loss −min(ρA, clip(ρ, 1−ε, 1+ε)A) with ρ = exp(ℓ_θ − ℓ_old)."""
     ratio = torch.exp(logp - old_logp)
     return -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+
+
+def dual_clipped_surrogate(logp, old_logp, adv, clip_eps: float, clip_c: float) -> torch.Tensor:
+    """--follow code (verl core_algos.compute_policy_loss, clip_ratio_c 3 in both released codes): where A < 0 the
+    clipped loss max(−ρA, −clip(ρ)A) is further capped at −c·A, so a huge ratio on a bad token cannot dominate."""
+    loss = clipped_surrogate(logp, old_logp, adv, clip_eps)
+    return torch.where(adv < 0, torch.minimum(loss, -clip_c * adv), loss)
 
 
 def kl_k3(logp, ref_logp) -> torch.Tensor:

@@ -163,13 +163,13 @@ def _decode(decoder, text: str, start: int) -> tuple[object, int]:
 
 
 def find_json_object(text: str, wanted=lambda obj: obj if isinstance(obj, dict) else None,
-                     max_starts: int = 256) -> dict | None:
+                     max_starts: int = 256, pairs_hook=None) -> dict | None:
     """The first JSON value in a model's reply that `wanted` accepts (it returns the dict to use, or None), else the
     first JSON object at all: fenced blocks first, then the whole text, trying each '{' (bounded) as a start, as
     written and then with trailing commas removed outside strings. Never raises. Linear time: decoding stops once it
     has read 4× the text (+64K characters) in all; without that cap, k nested starts that all fail at the far end ('{"a":' * k + an unclosed list) would read
-    the text k times."""
-    decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
+    the text k times. A repeated key keeps its first value (pairs_hook=dict: its last, as json.loads does)."""
+    decoder = json.JSONDecoder(object_pairs_hook=pairs_hook or _first_wins)
     parts = text.split("```")
     fenced = [p[4:] if p[:4].lower() == "json" else p for p in parts[1:16:2]]  # ```json … ``` blocks
     first, budget = None, 4 * len(text) + 65536

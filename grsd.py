@@ -17,10 +17,15 @@ Run:
   torchrun --nproc_per_node 8 grsd.py --env search --retriever_url http://127.0.0.1:8000/retrieve --judge_url ...
   python grsd.py --resume                                  # continue runs/grsd from its newest checkpoint
   python grsd.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
+  python grsd.py --follow code                             # the released code's reading (docs/methods.md)
 Ablations (Table 2): --guidance none | unaggregated | success_only, --modulation token | trajectory,
   --alpha 0 (no reflection learning), --lambda_mod 0 (GRPO advantages; reflections still trained when α > 0).
 
 Deviations / choices:
+  * This file follows the paper's text; `--follow code` switches on each place the released code (BinbZheng1/GRSD)
+    departs from it (rows 1, 2, 5-12 of docs/methods.md#paper-text-vs-released-code: step-sample advantages, a
+    floored turn weight, every reflection in S±, the judge's first digit, the reflection loss as a step of its own,
+    a token-mean loss; the functions say which file they follow).
   * Without --judge_url the judge is θ_old itself at T = 0, ≤ 16 tokens (the paper: a fixed DeepSeek-V4-Flash).
   * A reflection is valid iff it holds the numbered points 1., 2., 3. (parse_reflection); a judge reply is valid iff
     it is one digit 0-3, optionally "Score:"-prefixed or followed by '.' (parse_judge). Invalid ones are excluded
@@ -72,6 +77,10 @@ from harness import arg
 
 GUIDANCE_MODES = ("group", "none", "unaggregated", "success_only")
 MODULATIONS = ("turn", "token", "trajectory")
+FOLLOW = ("paper", "code")
+# --follow code: the released code's constants (BinbZheng1/GRSD @ 38f9787; verl/trainer/ppo/grsd_utils.py, the
+# verl ppo_trainer.yaml its scripts load): the turn-weight floor, the clamp of q, dual-clip c and the entropy bonus
+CODE_FLOOR, CODE_Q_MAX, CODE_CLIP_C, CODE_ENTROPY = 0.1, 20.0, 3.0, 0.001
 
 
 @dataclass
@@ -112,6 +121,8 @@ class Args(harness.RunArgs):
                                 at_least=1)
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256)", at_least=1)
     eval_temperature: float = arg(0.6, "validation sampling temperature (paper 0.6)")
+    follow: str = arg("paper", "paper: the equations as the text writes them; code: the released code's departures "
+                      "(docs/methods.md#paper-text-vs-released-code)", FOLLOW)
 
 
 PAPER = {  # §4.1, App. C
@@ -130,10 +141,13 @@ LAPTOP = dict(updates=2, tasks_per_update=2, group_size=4, max_prompt_len=1024, 
 
 def resolve(args: Args) -> Args:
     harness.check_choices(args, Args)
-    if args.lambda_mod < 0 or args.g_hat <= 0 or args.lambda_mod * args.g_hat >= 1:
+    if args.follow == "code" and args.modulation == "trajectory":
+        raise SystemExit("--follow code has no --modulation trajectory: the released code modulates per turn or per "
+                         "token (its advantages differ between the turns of a trajectory)")
+    if args.lambda_mod < 0 or args.g_hat <= 0 or (args.lambda_mod * args.g_hat >= 1 and args.follow == "paper"):
         raise SystemExit(f"GRSD needs λ ≥ 0, Ĝ > 0 and λĜ < 1 so that no turn weight can flip the sign of A "
-                         f"(Eq. 11, Prop. 2); got λ = {args.lambda_mod}, Ĝ = {args.g_hat}, λĜ = "
-                         f"{args.lambda_mod * args.g_hat:g}")
+                         f"(Eq. 11, Prop. 2; --follow code floors the weight at 0.1 instead); got λ = "
+                         f"{args.lambda_mod}, Ĝ = {args.g_hat}, λĜ = {args.lambda_mod * args.g_hat:g}")
     if args.model is None:
         args.model = "tiny" if args.env == "household" else "Qwen/Qwen2.5-3B-Instruct"
     if args.model == "tiny" or args.env == "household":  # the laptop preset, for any model on household
@@ -166,37 +180,57 @@ def norm_g(v: torch.Tensor, eps_adv: float, valid: torch.Tensor | None = None) -
     return out
 
 
-def turn_modulation(adv, delta, group, mixed, lam: float, g_hat: float, eps_gap: float):
+def turn_modulation(adv, delta, group, mixed, lam: float, g_hat: float, eps_gap: float, code=None):
     """Eq. (9)-(11) / Alg. 1 l.17-25 over units (turns; or tokens / trajectories in the Table 2 variants).
     adv: A_i of each unit's trajectory; delta: Δ of each unit; group: group index of each unit; mixed: m_x per group.
       q = sign(A)Δ;  u = exp(q) − 1;  D_x = mean_{units of x} |u| + ε_gap;  q̂ = clip(u/D_x, −Ĝ, Ĝ);
       Â = A (1 + λ q̂ m_x).
-    Returns (Â, q̂) in float32. Groups with m_x = 0 keep Â = A exactly."""
-    q = (torch.sign(adv.double()) * delta.double()).clamp(max=80.0)
+    Returns (Â, q̂) in float32. Groups with m_x = 0 keep Â = A exactly.
+    code (--follow code, grsd_utils.py compute_grsd_turn_advantage): a dict with `empty`, the number of units per
+    group that have no token (they count in D_x's mean), and `norm` (False: the token variant's token_norm none, no
+    D_x). In float32, q is clamped to ±20 and the weight floored: Â = A · max(1 + λ q̂ m_x, 0.1)."""
+    if code is not None:
+        q = (torch.sign(adv) * delta).float().clamp(-CODE_Q_MAX, CODE_Q_MAX)
+    else:
+        q = (torch.sign(adv.double()) * delta.double()).clamp(max=80.0)
     u = torch.expm1(q)  # exp(q) − 1 without cancellation for small q
     q_hat = torch.zeros_like(u)
     for x in torch.unique(group).tolist():
         rows = group == x
-        if bool(mixed[x]):
+        if not bool(mixed[x]):
+            continue
+        if code is None:
             d_x = u[rows].abs().mean() + eps_gap
-            q_hat[rows] = (u[rows] / d_x).clamp(-g_hat, g_hat)
-    w = 1.0 + lam * q_hat * mixed[group].double()
+        elif code["norm"]:
+            d_x = u[rows].abs().sum() / (rows.sum() + code["empty"][x]) + eps_gap
+        else:
+            d_x = 1.0
+        q_hat[rows] = (u[rows] / d_x).clamp(-g_hat, g_hat)
+    w = 1.0 + lam * q_hat * mixed[group].to(q_hat.dtype)
+    if code is not None:
+        return adv.float() * w.clamp(min=CODE_FLOOR), q_hat
     return (adv.double() * w).float(), q_hat.float()
 
 
-def grpo_surrogate(logp, old_logp, adv, mask, weight, clip_eps: float, denom):
+def grpo_surrogate(logp, old_logp, adv, mask, weight, clip_eps: float, denom, clip_c: float = 0.0):
     """The clipped surrogate of Eq. (2)/(13) with the paper's aggregation: Σ_tokens ω·(−φ_ε(ρ, A)) / denom, where ω
     is the token's weight (1/N_i of its trajectory, broadcast [B, 1] or [B, R]) and denom = Σ ω over the mini-batch
-    (its number of trajectories when it holds whole ones). adv may be per sequence [B, 1] or per token [B, R]."""
-    per_token = C.clipped_surrogate(logp, old_logp, adv, clip_eps)
+    (its number of trajectories when it holds whole ones). adv may be per sequence [B, 1] or per token [B, R].
+    clip_c (--follow code): verl's dual clip on tokens with A < 0 (common.dual_clipped_surrogate)."""
+    per_token = C.dual_clipped_surrogate(logp, old_logp, adv, clip_eps, clip_c) if clip_c else \
+        C.clipped_surrogate(logp, old_logp, adv, clip_eps)
     return (per_token * mask * weight).sum() / (denom if denom > 0 else 1.0)
 
 
-def grsd_task_loss(logp, old_logp, ref_logp, adv_hat, mask, weight, clip_eps: float, beta_kl: float, denom):
-    """L_task (Eq. 13) + β·KL (Alg. 1 l.28), both aggregated as 1/G Σ_i 1/N_i Σ_{t,k}. Returns (loss, pg, kl)."""
-    pg = grpo_surrogate(logp, old_logp, adv_hat, mask, weight, clip_eps, denom)
+def grsd_task_loss(logp, old_logp, ref_logp, adv_hat, mask, weight, clip_eps: float, beta_kl: float, denom,
+                   clip_c: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+    """L_task (Eq. 13) + β·KL (Alg. 1 l.28), both aggregated as 1/G Σ_i 1/N_i Σ_{t,k}. --follow code: the dual clip
+    and −entropy_coef·H with the same aggregation (verl's dp_actor.update_policy). Returns (loss, pg, kl)."""
+    pg = grpo_surrogate(logp, old_logp, adv_hat, mask, weight, clip_eps, denom, clip_c)
     kl = (C.kl_k3(logp, ref_logp) * mask * weight).sum() / (denom if denom > 0 else 1.0)
-    return pg + beta_kl * kl, pg, kl
+    bonus = entropy_coef * (entropy * mask * weight).sum() / (denom if denom > 0 else 1.0) if entropy is not None \
+        else 0.0
+    return pg + beta_kl * kl - bonus, pg, kl
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -267,12 +301,13 @@ POINT_RE = re.compile(r"^[^\S\n]*(?:\*\*)?(\d+)[.)]\s*\S", re.M)
 JUDGE_RE = re.compile(r"\s*(?:score\s*[:=]?\s*)?([0-3])\s*[.!)]?\s*", re.I)
 
 
-def parse_reflection(text: str | None) -> str | None:
+def parse_reflection(text: str | None, follow: str = "paper") -> str | None:
     """A reflection is valid iff, outside <think> blocks, its numbered points (at line starts) are exactly 1, 2, 3
-    in order. Returns that text (the reasoning dropped) or None."""
+    in order. Returns that text (the reasoning dropped) or None. follow="code" (grsd_reflect_utils.py): no format
+    check, every reply is a reflection, an empty one included."""
     text = C.strip_thinking(text).strip() if isinstance(text, str) else ""
     points = [int(n) for n in POINT_RE.findall(text)]
-    return text if points == [1, 2, 3] else None
+    return text if points == [1, 2, 3] or follow == "code" else None
 
 
 def parse_judge(text: str | None) -> int | None:
@@ -282,6 +317,13 @@ def parse_judge(text: str | None) -> int | None:
     text = C.strip_thinking(text).replace("*", "") if isinstance(text, str) else ""
     m = JUDGE_RE.fullmatch(text) if len(text) <= 64 else None
     return int(m.group(1)) if m else None
+
+
+def parse_judge_code(text: str | None) -> int | None:
+    """--follow code (grsd_reflect_utils.py ReflectionJudge._parse_score): the first digit 0-3 anywhere in the reply
+    ("I'd give it a 2" → 2, "Score: 10/10" → 1); None only when there is none."""
+    m = re.search(r"[0-3]", text) if isinstance(text, str) else None
+    return int(m.group(0)) if m else None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -309,15 +351,17 @@ def reflect_and_judge(trajs, engine, args, client, timer, counts: Counter | None
         asks = [reflection_prompt(tr, args.obs_chars) for tr in trajs]
         p_ids, r_ids, texts = harness.generate_texts(engine, "reflection", asks, args.reflection_prompt_len,
                                              args.reflection_max_tokens, args.temperature, args.top_p, counts, log)
-    reflections = [parse_reflection(t) for t in texts]
-    rows = [i for i, s in enumerate(reflections) if s is not None]
+    reflections = [parse_reflection(t, args.follow) for t in texts]
+    # --follow code: an empty reflection scores 0 without asking the judge (grsd_reflect_utils.py ReflectionJudge)
+    scores: list[int | None] = [0 if s == "" else None for s in reflections]
+    rows = [i for i, s in enumerate(reflections) if s]
     asks = [judge_prompt(trajs[i], reflections[i], args.obs_chars) for i in rows]
     with timer("judge"):
         replies = harness.ask("judge", asks, client, engine, args.reflection_prompt_len, args.judge_max_tokens, 0.0,
                                log)
-    scores: list[int | None] = [None] * len(trajs)
+    parse = parse_judge_code if args.follow == "code" else parse_judge
     for i, reply in zip(rows, replies):
-        scores[i] = parse_judge(reply)
+        scores[i] = parse(reply)
     return p_ids, r_ids, reflections, scores
 
 
@@ -325,9 +369,14 @@ def group_guidance(trajs, reflections, scores, engine, args, timer, counts: Coun
     """Stage B (Eq. 5-7, Alg. 1 l.13-16): m_x and z_x per rank-local group (None where inactive), and the number of
     active groups whose sampled guidance came out empty (they fall back to GRPO)."""
     groups = sorted({tr.group for tr in trajs})
-    good = {g: [reflections[i] for i, tr in enumerate(trajs) if tr.group == g and scores[i] is not None and tr.won]
+    # S± (Eq. 5): the valid reflections by outcome; --follow code (grsd_reflect_ray_trainer.py
+    # _reflect_and_build_priors): every reflection, valid or not, a success being a task reward > 0
+    code = args.follow == "code"
+    used = [code or s is not None for s in scores]
+    won = [C.task_reward(tr) > 0 if code else tr.won for tr in trajs]
+    good = {g: [reflections[i] for i, tr in enumerate(trajs) if tr.group == g and used[i] and won[i]]
             for g in groups}
-    bad = {g: [reflections[i] for i, tr in enumerate(trajs) if tr.group == g and scores[i] is not None and not tr.won]
+    bad = {g: [reflections[i] for i, tr in enumerate(trajs) if tr.group == g and used[i] and not won[i]]
            for g in groups}
     mixed = {g: bool(good[g]) and bool(bad[g]) for g in groups}                                          # Eq. (7)
     active = [g for g in groups if mixed[g] and args.guidance != "none" and args.lambda_mod > 0]
@@ -356,41 +405,57 @@ def teacher_limit(args) -> int:
 
 
 def build_samples(trajs, adv, refl, guidance, tok, args) -> tuple[list[Sample], list[Sample]]:
-    """Turn samples (student and teacher contexts, Eq. 8) and reflection samples (Eq. 14)."""
+    """Turn samples (student and teacher contexts, Eq. 8) and reflection samples (Eq. 14). adv: A_i of each
+    trajectory, on every turn of it; --follow code: each step-sample's own advantage (C.code_step_advantages) instead.
+    Token weights: 1/N_i and 1/|s_i| (Eq. 13-14); --follow code: 1, a token mean as verl's loss_agg_mode token-mean."""
     p_ids, r_ids, reflections, scores = refl
-    teacher_len = teacher_limit(args)
+    teacher_len, code = teacher_limit(args), args.follow == "code"
+    step_adv = C.code_step_advantages(trajs) if code else [[a] * len(tr.turns) for tr, a in zip(trajs, adv)]
     turns, refls = [], []
-    a_ref = group_norm(trajs, scores, args.eps_adv)                                 # Alg. 1 l.10-11
+    a_ref = group_norm(trajs, scores, args.eps_adv, args.follow)                    # Alg. 1 l.10-11
     for i, tr in enumerate(trajs):
         z = guidance.get(tr.group)
         if z is not None:
             z = C.cut_to_tokens(tok, z, args.guidance_max_tokens)
         n_i = sum(len(t.response_ids) for t in tr.turns)
-        for turn in tr.turns:
+        for turn, a in zip(tr.turns, step_adv[i]):
             teacher = C.encode_prompt(tok, inject_guidance(turn.prompt_text, z), teacher_len)[0] if z else None
-            turns.append(Sample(turn.prompt_ids, turn.response_ids, teacher, adv[i], i, tr.group, 1.0 / max(n_i, 1),
-                                turn.engine_logp))
+            turns.append(Sample(turn.prompt_ids, turn.response_ids, teacher, a, i, tr.group,
+                                1.0 if code else 1.0 / max(n_i, 1), turn.engine_logp))
         if args.alpha > 0 and r_ids[i]:
-            refls.append(Sample(p_ids[i], r_ids[i], None, a_ref[i], i, tr.group, 1.0 / len(r_ids[i])))
+            refls.append(Sample(p_ids[i], r_ids[i], None, a_ref[i], i, tr.group, 1.0 if code else 1.0 / len(r_ids[i])))
     return turns, refls
 
 
-def group_norm(trajs, values, eps_adv: float) -> list[float]:
+def code_norm(v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """--follow code, A_ref (grsd_reflect_utils.py compute_group_normalized_advantage): (v − v̄)/(std + 1e-6) over
+    the valid entries, the population std (ε outside the root); fewer than 2 valid entries: all 0."""
+    out = torch.zeros_like(v)
+    if int(valid.sum()) >= 2:
+        x = v[valid]
+        out[valid] = (x - x.mean()) / (x.std(unbiased=False) + 1e-6)
+    return out
+
+
+def group_norm(trajs, values, eps_adv: float, follow: str = "paper") -> list[float]:
     """Norm_G (Eq. 1) within every rank-local group: A_i from rewards (Alg. 1 l.4), or A_ref from judge scores where
-    None (⊥) marks an invalid entry: excluded from the statistics and given 0 (l.10-11)."""
+    None (⊥) marks an invalid entry: excluded from the statistics and given 0 (l.10-11). follow="code": code_norm."""
     group = C.group_index(trajs)
     v = C.by_group(torch.tensor([float(x) if x is not None else 0.0 for x in values]), group)
     valid = C.by_group(torch.tensor([x is not None for x in values]), group)
-    normed = [norm_g(row, eps_adv, ok) for row, ok in zip(v, valid)]
+    normed = [code_norm(row, ok) if follow == "code" else norm_g(row, eps_adv, ok) for row, ok in zip(v, valid)]
     return C.from_groups(torch.stack(normed), group).tolist() if normed else []
 
 
-def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: float, g_hat: float, eps_gap: float):
+def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: float, g_hat: float, eps_gap: float,
+                         follow: str = "paper"):
     """Alg. 1 l.14-25 on [T turns] / [T, R tokens] tensors, as verl's estimators: Â per token [T, R].
     adv [T]: A_i of each turn's trajectory; diff [T, R]: ℓ_tea − ℓ_stu per token, both under θ̄ = θ_old (0 where
     a turn has no teacher); mask [T, R]: its real tokens; group [T]: each turn's group 0..G−1; traj [T]: its
     trajectory; has [T]: the turn has a teacher context (exactly the turns of groups with m_x = 1 and a z_x).
-    A unit shares one Δ and one Â: a turn (Eq. 9), or a token / a whole trajectory (the Table 2 variants)."""
+    A unit shares one Δ and one Â: a turn (Eq. 9), or a token / a whole trajectory (the Table 2 variants).
+    follow="code": turn_modulation's code branch; a turn without tokens still counts in D_x (turn units), and
+    token units are not normalised by D_x (the released scripts' token_norm none)."""
     if lam == 0 or not bool(has.any()):
         return adv[:, None] * mask
     real = mask.bool()
@@ -401,7 +466,12 @@ def modulated_advantages(adv, diff, mask, group, traj, has, unit: str, lam: floa
     total = torch.zeros(len(ids), dtype=torch.float64).index_add(0, u, diff[real].double())
     mixed = torch.zeros(int(group.max()) + 1, dtype=torch.bool).index_fill(0, group[has], True)  # m_x: it has z_x
     delta = (total / torch.bincount(u).double()).float()                    # Eq. (9): mean over the unit's tokens
-    a_unit = turn_modulation(adv[unit_turn], delta, group[unit_turn], mixed, lam, g_hat, eps_gap)[0]
+    code = None
+    if follow == "code":
+        empty = torch.bincount(group[mask.sum(1) == 0], minlength=len(mixed)) if unit == "turn" else \
+            torch.zeros(len(mixed), dtype=torch.long)
+        code = {"empty": empty, "norm": unit != "token"}
+    a_unit = turn_modulation(adv[unit_turn], delta, group[unit_turn], mixed, lam, g_hat, eps_gap, code)[0]
     a_hat = torch.zeros_like(mask)
     a_hat[real] = a_unit[u]
     return a_hat
@@ -417,7 +487,7 @@ def turn_advantages(turns: list[Sample], old, tea, args):
     group = torch.unique(torch.tensor([s.group for s in turns]), return_inverse=True)[1]
     traj, has = torch.tensor([s.traj for s in turns]), torch.tensor([s.teacher_ids is not None for s in turns])
     a_hat = modulated_advantages(torch.tensor([s.adv for s in turns]), diff, mask, group, traj, has, args.modulation,
-                                 args.lambda_mod, args.g_hat, args.eps_gap)
+                                 args.lambda_mod, args.g_hat, args.eps_gap, args.follow)
     delta = [x.mean().item() for x, s in zip(diffs, turns) if s.teacher_ids is not None and len(x)]
     return [a[:n] for a, n in zip(a_hat, lens)], torch.tensor(delta if args.lambda_mod else [])
 
@@ -449,16 +519,18 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
     weight = {"": [s.weight for s in turns], "ref": [s.weight for s in refls]}  # 1/N_i of each sample's trajectory
     r_adv = [s.adv for s in refls]  # A_ref
     sums, norms = Counter(), []  # summed on the device, read back once (C.global_sums)
+    code = args.follow == "code"  # dual clip, entropy bonus, and the reflections in a step of their own
+    clip_c, ent_coef = (CODE_CLIP_C, CODE_ENTROPY) if code else (0.0, 0.0)
     with timer("update"):
         for b in range(n_mb):
-            mb, rmb = order[b::n_mb], r_order[b::n_mb]
+            mb, rmb = order[b::n_mb], [] if code else r_order[b::n_mb]
             # Σ 1/N_i over the mini-batch's task tokens (its trajectories) and its reflection count (all of them)
             denom, r_denom = C.global_sum([sum(turns[j].weight * len(R[j]) for j in mb), float(len(rmb))], d.device)
             task = C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens)
             ref_chunks = C.micro_batches([j for j in rmb if j in r_old], RP, RR, args.micro_batch,
                                          args.micro_batch_tokens)
             for m in C.minibatch_chunks(d, P, R, task, ("ref", RP, RR, ref_chunks), temperature=args.temperature):
-                logp, mask = m.logprobs(policy)                                     # ℓ_θ, with gradient
+                logp, mask, *ent = m.logprobs(policy, with_entropy=code and m.kind == "")  # ℓ_θ, with gradient
                 w = m.column(weight[m.kind])
                 if m.kind == "ref":                                                 # Eq. (14), weight α
                     pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, w, args.clip_eps, r_denom)
@@ -466,14 +538,25 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
                     C.add_sums(sums, m, ref=pg)
                 else:                                                               # Eq. (13) + β·KL
                     loss, pg, kl = grsd_task_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mask,
-                                                  w, args.clip_eps, args.beta_kl, denom)
+                                                  w, args.clip_eps, args.beta_kl, denom, clip_c,
+                                                  ent[0] if ent else None, ent_coef)
                     C.add_sums(sums, m, pg=pg, kl=kl, tokens=mask.sum())
                 m.backward(loss)
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.29
+        r_tok = C.global_sum([float(sum(map(len, RR)))], d.device)[0] if code else 0.0  # (A_ref 0 ones too)
+        if r_tok > 0:  # grsd_reflect_ray_trainer.py: one more step after the task's, α·L_ref alone, token mean, no KL
+            chunks = C.micro_batches([j for j in range(len(refls)) if j in r_old], RP, RR, args.micro_batch,
+                                     args.micro_batch_tokens)
+            for m in C.minibatch_chunks(d, RP, RR, chunks, temperature=args.temperature):
+                logp, mask = m.logprobs(policy)                                     # θ after the task steps
+                pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, 1.0, args.clip_eps, r_tok, clip_c)
+                C.add_sums(sums, m, ref=pg)
+                m.backward(args.alpha * pg)
+            C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps)
     tot = C.global_sums({k: sums[k] for k in ("pg", "kl", "ref", "tokens")}, d)
-    pg, kl, lref, n_tok = tot["pg"], tot["kl"], tot["ref"], tot["tokens"]
-    return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref / n_mb,
-            "losses/total": (pg + args.beta_kl * kl + args.alpha * lref) / n_mb,
+    pg, kl, lref, n_tok = tot["pg"], tot["kl"], tot["ref"] / (1 if code else n_mb), tot["tokens"]  # code: 1 step
+    return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref,
+            "losses/total": (pg + args.beta_kl * kl) / n_mb + args.alpha * lref,
             **modulation_metrics(turns, adv, delta_turn, d),
             "train/minibatches": n_mb, **C.grad_norm_metrics(norms), "train/tokens": n_tok,
             **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),

@@ -16,6 +16,7 @@ Run:
   torchrun --nproc_per_node 8 opid.py --env search --retriever_url http://127.0.0.1:8000/retrieve --analyzer_url ...
   python opid.py --resume                                  # continue runs/opid from its newest checkpoint
   python opid.py --eval_only --model PATH --out_dir DIR    # score a checkpoint / hub model only (Vanilla row)
+  python opid.py --follow code                             # the released code's reading (docs/methods.md)
 Ablations: --skill_mode episode_only | step_only (Table 2), --skill_mode additive (Table 3: episode skill at every
   step plus the step skill at critical steps), --lambda_skill 0 (plain GRPO; the analyzer is not called).
 
@@ -39,7 +40,8 @@ Deviations / choices:
   * A_ep = (R − μ)/σ with the population std, as §3.4 writes (no ε; |A_ep| ≤ sqrt(N − 1) whenever σ > 0).
     A tied group (σ = 0) gets A_ep = 0 exactly. The official code instead normalises over all step-samples of a
     group (longer trajectories weigh more) and uses an unbiased std, a dual clip (c = 3) and an entropy bonus;
-    we follow the paper.
+    we follow the paper, and `--follow code` switches on each of the released code's departures (rows 1-4 and 11
+    of docs/methods.md#paper-text-vs-released-code; the functions say which file they follow).
   * ℓ_old and ℓ_skill are scored once per update by the training model before any step (θ = θ_old then), so
     A_OPID is fixed during the mini-batch loop; λ_skill defaults to 0.001 (official scripts; both skill levels).
   * The loss is a token mean over the mini-batch's valid tokens (all ranks); KL is the k3 estimator to π_ref
@@ -67,6 +69,10 @@ import envs
 from harness import arg
 
 MODES = ("critical_first", "episode_only", "step_only", "additive")
+FOLLOW = ("paper", "code")
+# --follow code: the released code's constants (jinyangwu/OPID @ e5c0b0f; verl/trainer/config/ppo_trainer.yaml and the
+# run scripts): dual-clip c, the entropy bonus (the Search scripts set 0), and mean_norm (no std) on WebShop
+CODE_CLIP_C, CODE_ENTROPY, CODE_NO_STD = 3.0, {"search": 0.0}, ("webshop",)
 
 
 @dataclass
@@ -99,6 +105,8 @@ class Args(harness.RunArgs):
                                 at_least=1)
     minibatch_turns: int = arg(256, "turns per optimiser step over all ranks (paper 256, 1 epoch)", at_least=1)
     eval_temperature: float = arg(0.4, "validation sampling temperature (0 = greedy)")
+    follow: str = arg("paper", "paper: the equations as the text writes them; code: the released code's departures "
+                      "(docs/methods.md#paper-text-vs-released-code)", FOLLOW)
 
 
 PAPER = {  # B.4, Table 6, official scripts
@@ -146,25 +154,36 @@ def episode_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return ((rewards - mu) / sigma.masked_fill(tied, 1.0)).masked_fill(tied, 0.0)
 
 
-def opid_advantages(a_ep, old_logp, skill_logp, mask, has_skill, lambda_skill: float):
+def opid_advantages(a_ep, old_logp, skill_logp, mask, has_skill, lambda_skill: float, step_logp=None,
+                    has_step=None):
     """§3.3-3.4 / Alg. 1 l.20-22, per token. a_ep: [B] trajectory advantages; old_logp, skill_logp, mask: [B, R];
     has_skill: [B, 1] (0 where the step got no routed skill: no skill signal there).
       A_skill = (ℓ_skill − ℓ_old)·m,  A_ep = A_ep·m,  A_OPID = A_ep + λ_skill·A_skill.
+    --follow code, additive mode: ℓ_skill is the episode skill's context alone and step_logp the step skill's alone,
+    scored apart, and both shifts are added (opid/prompting.py select_skill_teacher_sources; gigpo/core_gigpo.py
+    compute_opid_advantage_components): A_skill = (ℓ_ep − ℓ_old)·m + (ℓ_step − ℓ_old)·m at a critical step.
     Returns (A_OPID, A_ep, A_skill), all [B, R]; λ_skill = 0 returns A_ep itself (GRPO exactly)."""
     a_ep_tok = a_ep[:, None] * mask
     a_skill = (skill_logp - old_logp) * mask * has_skill
+    if step_logp is not None:
+        a_skill = a_skill + (step_logp - old_logp) * mask * has_step
     if lambda_skill == 0:
         return a_ep_tok, a_ep_tok, a_skill
     return a_ep_tok + lambda_skill * a_skill, a_ep_tok, a_skill
 
 
-def opid_loss(logp, old_logp, ref_logp, adv, mask, clip_eps: float, beta_kl: float, denom=None):
+def opid_loss(logp, old_logp, ref_logp, adv, mask, clip_eps: float, beta_kl: float, denom=None, clip_c: float = 0.0,
+              entropy=None, entropy_coef: float = 0.0):
     """§3.4 / Alg. 1 l.28-30: −E[min(ρ A_OPID, clip(ρ, 1±ε) A_OPID)] + β·KL, ρ = exp(ℓ_θ − ℓ_old), masked means
     over valid tokens (`denom`: the mini-batch's token count). Clipping sees the COMBINED advantage.
-    Returns (loss, pg, kl)."""
-    pg = C.masked_mean(C.clipped_surrogate(logp, old_logp, adv, clip_eps), mask, denom)
+    --follow code (verl core_algos.compute_policy_loss, dp_actor.update_policy): the dual clip c on tokens with
+    A < 0, and −entropy_coef·H, the policy's token-mean entropy. Returns (loss, pg, kl)."""
+    per_token = C.dual_clipped_surrogate(logp, old_logp, adv, clip_eps, clip_c) if clip_c else \
+        C.clipped_surrogate(logp, old_logp, adv, clip_eps)
+    pg = C.masked_mean(per_token, mask, denom)
     kl = C.masked_mean(C.kl_k3(logp, ref_logp), mask, denom)
-    return pg + beta_kl * kl, pg, kl
+    bonus = entropy_coef * C.masked_mean(entropy, mask, denom) if entropy is not None else 0.0
+    return pg + beta_kl * kl - bonus, pg, kl
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -250,7 +269,24 @@ def _step_index(key) -> int | None:
     return int(m.group(1)) if len(m.group(1)) < 19 else -1  # absurdly long numbers are simply out of range
 
 
-def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[Analysis | None, Counter]:
+def code_step_skills(raw, n_steps: int, max_critical: int) -> dict[int, str]:
+    """--follow code (opid/analysis.py _parse_analysis_response, _analyze_episode_with_openai): step_skills only as
+    a dict; a key int() cannot read is skipped, every value is str()-ed (null becomes "None"), a repeated key keeps
+    its last value; indices outside the trajectory are dropped, then the first max_critical in the order written
+    are kept, EMPTY ones included: an empty skill takes a slot, and routing gives that step the episode skill."""
+    steps: dict[int, str] = {}
+    for key, skill in raw.items() if isinstance(raw, dict) else []:
+        try:
+            t = int(key)
+        except (TypeError, ValueError):
+            continue
+        if 0 <= t < n_steps:
+            steps[t] = str(skill)
+    return dict(list(steps.items())[:max_critical])
+
+
+def parse_analysis(text: str | None, n_steps: int, max_critical: int, follow: str = "paper"
+                   ) -> tuple[Analysis | None, Counter]:
     """A(τ) = (s^ep_τ, {s^step_τ,t}_{t ∈ C_τ}) from an analyzer reply. Returns (analysis or None, event counts).
     The format asked for: {"episode_skill": "...", "step_skills": {"<t>": "...", ...}}, also accepted with the keys
     "episode" / "steps" / "critical_steps" (any case), step keys like "step 3", a list of {"step": t, "skill": ...},
@@ -258,15 +294,21 @@ def parse_analysis(text: str | None, n_steps: int, max_critical: int) -> tuple[A
     None when there is no JSON object with a non-empty episode skill (<think> blocks are ignored). Step
     skills are dropped when the index is not one of the trajectory's steps 0..n_steps−1 (out_of_range) or is
     unreadable (bad_key), the skill is empty or not a string (bad_skill), or the index repeats (duplicate); past
-    `max_critical` the rest are cut in the order written (truncated)."""
+    `max_critical` the rest are cut in the order written (truncated). follow="code": the step skills as the
+    released code reads them (code_step_skills; a repeated key keeps its last value)."""
     events = Counter()
     text = text if isinstance(text, str) else ""
-    obj = envs.find_json_object(C.strip_thinking(text), _skill_object)  # a draft inside the reasoning: no answer
+    obj = envs.find_json_object(C.strip_thinking(text), _skill_object,  # a draft inside the reasoning: no answer
+                                pairs_hook=dict if follow == "code" else None)
     episode = envs.clean_text(_pick(obj, EPISODE_KEYS)) if obj is not None else None
     if episode is None:
         events["no_json" if obj is None else "no_episode_skill"] += 1
         return None, events
     raw = _pick(obj, STEP_KEYS)
+    if follow == "code":
+        steps = code_step_skills(raw, n_steps, max_critical)
+        events["critical_steps"] += sum(bool(x.strip()) for x in steps.values())
+        return Analysis(episode, steps), events
     if isinstance(raw, dict):
         items = list(raw.items())
     elif isinstance(raw, list):
@@ -305,7 +347,7 @@ def analyze(trajs, engine, args, client=None, log=None) -> tuple[list[Analysis |
             if reply is None:  # the endpoint failed after its own retries: counted in endpoint/analyzer/*, no re-ask
                 events["failed"] += 1
                 continue
-            analysis, ev = parse_analysis(reply, len(trajs[i].turns), args.max_critical)
+            analysis, ev = parse_analysis(reply, len(trajs[i].turns), args.max_critical, args.follow)
             events += ev
             if analysis is None:
                 problem = "no JSON object" if ev["no_json"] else "empty episode_skill"
@@ -333,6 +375,7 @@ def route_skills(analysis: Analysis | None, n_steps: int, mode: str = "critical_
     out = []
     for t in range(n_steps):
         step = analysis.steps.get(t) if mode != "episode_only" else None
+        step = step if step and step.strip() else None  # (--follow code keeps empty step skills: no skill here)
         episode = analysis.episode if mode != "step_only" else None
         if mode == "critical_first" and step is not None:
             episode = None
@@ -382,9 +425,11 @@ class Sample:
     prompt_ids: list[int]           # h_τ,t (chat-templated), as the policy saw it
     response_ids: list[int]         # y_τ,t, the sampled tokens, never re-tokenized
     teacher_ids: list[int] | None   # H(h_τ,t, s_τ,t), None when the step has no routed skill
-    a_ep: float                     # A^ep_τ
+    a_ep: float                     # A^ep_τ (--follow code: this step-sample's own advantage)
     route: str                      # "step", "episode", "both" (additive at C_τ) or "none"
     engine_logp: list[float] | None = None  # the rollout engine's sampled-token log-probs (vLLM), for --rollout_is
+    step_teacher_ids: list[int] | None = None  # --follow code, additive at C_τ: H(h, step skill) alone (teacher_ids
+    # then holds the episode skill alone)
 
 
 def teacher_limit(args) -> int:
@@ -392,83 +437,101 @@ def teacher_limit(args) -> int:
     return args.max_prompt_len + 2 * (args.skill_max_tokens + 64)
 
 
+def teacher_context(tok, prompt_text: str, episode: str | None, step: str | None, limit: int, counts: Counter):
+    """The ids of H(h, s) (Alg. 1 l.16) for the given skill(s), or None without any; anchor fallbacks counted."""
+    if not (episode or step):
+        return None
+    text, missing = inject_skill(prompt_text, episode, step)
+    counts["anchor_fallbacks"] += missing
+    return C.encode_prompt(tok, text, limit)[0]
+
+
 def build_samples(trajs, analyses, tok, args) -> tuple[list[Sample], torch.Tensor, Counter]:
     """Alg. 1 l.8-16: group advantages, routing and the skill-augmented context of every step."""
     group = C.group_index(trajs)  # may be empty: a rank with no task this update
     adv = episode_advantages(C.by_group(torch.tensor([tr.reward for tr in trajs]), group))
-    traj_adv = C.from_groups(adv, group).tolist()
+    if args.follow == "code":  # the released code: every step-sample normalised with its group's (C.step_scores)
+        step_adv = C.code_step_advantages(trajs, std_norm=args.env not in CODE_NO_STD)
+    else:
+        step_adv = [[a] * len(tr.turns) for tr, a in zip(trajs, C.from_groups(adv, group).tolist())]
+    apart = args.follow == "code" and args.skill_mode == "additive"  # both skills scored in contexts of their own
     teacher_len = teacher_limit(args)
     samples, counts = [], Counter()
-    for tr, analysis, a in zip(trajs, analyses, traj_adv):
-        for turn, (ep, st) in zip(tr.turns, route_skills(analysis, len(tr.turns), args.skill_mode)):  # l.15
+    for tr, analysis, advs in zip(trajs, analyses, step_adv):
+        routes = route_skills(analysis, len(tr.turns), args.skill_mode)
+        for turn, (ep, st), a in zip(tr.turns, routes, advs):                                      # l.15
             ep, st = cut_skill(tok, ep, args.skill_max_tokens), cut_skill(tok, st, args.skill_max_tokens)
-            teacher = None
-            if ep or st:                                                                              # l.16
-                text, missing = inject_skill(turn.prompt_text, ep, st)
-                teacher = C.encode_prompt(tok, text, teacher_len)[0]
-                counts["anchor_fallbacks"] += missing
+            ctx = lambda e, st_: teacher_context(tok, turn.prompt_text, e, st_, teacher_len, counts)  # noqa: E731
+            teacher, step_teacher = (ctx(ep, None), ctx(None, st)) if apart else (ctx(ep, st), None)   # l.16
             route = "both" if ep and st else "step" if st else "episode" if ep else "none"
             counts[route] += 1
             samples.append(Sample(turn.prompt_ids, turn.response_ids, teacher, a, route,
-                                  turn.engine_logp))
+                                  turn.engine_logp, step_teacher))
     return samples, adv, counts
 
 
 def paired_scores(policy, ref, samples: list[Sample], args, d, timer):
     """Alg. 1 l.18-19 (and π_ref for the KL term): ℓ_old, ℓ_ref and ℓ_skill of the same response ids, once, before
-    any parameter update (θ = θ_old). Returns three lists of 1-D CPU tensors (ℓ_skill = ℓ_old where no skill)."""
+    any parameter update (θ = θ_old), and ℓ_step of the step skill's own context (--follow code, additive). Returns
+    four lists of 1-D CPU tensors (ℓ_skill, ℓ_step = ℓ_old where there is no such context)."""
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     with timer("scoring"):
         # l.18: ℓ_old = log π_θold(y|h)
         old = C.score(policy, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
         # π_ref, for β·KL (§3.4)
         ref_lp = C.score(ref, P, R, args.micro_batch, d, args.micro_batch_tokens, args.temperature)
-    skill = list(old)
+    skill, step = list(old), list(old)
     if args.lambda_skill > 0:
-        rows = [i for i, s in enumerate(samples) if s.teacher_ids]
+        rows = [(i, skill, s.teacher_ids) for i, s in enumerate(samples) if s.teacher_ids] + \
+            [(i, step, s.step_teacher_ids) for i, s in enumerate(samples) if s.step_teacher_ids]
         with timer("teacher"):                                         # l.19: ℓ_skill = log π_θold(y | H(h, s))
-            scored = C.score(policy, [samples[i].teacher_ids for i in rows], [R[i] for i in rows], args.micro_batch,
+            scored = C.score(policy, [ids for _, _, ids in rows], [R[i] for i, _, _ in rows], args.micro_batch,
                              d, args.micro_batch_tokens, args.temperature)
-        for i, lp in zip(rows, scored):
-            skill[i] = lp
-    return old, ref_lp, skill
+        for (i, out, _), lp in zip(rows, scored):
+            out[i] = lp
+    return old, ref_lp, skill, step
 
 
 def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict:
     """Paired scoring, A_OPID, then one epoch of mini-batches of the clipped objective (Alg. 1 l.18-31)."""
-    old, ref_lp, skill = paired_scores(policy, ref, samples, args, d, timer)
+    old, ref_lp, skill, step = paired_scores(policy, ref, samples, args, d, timer)
     P, R = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     # Alg. 1 l.20-22 for every sample at once (rows right-padded to the longest response)
     width = max((len(r) for r in R), default=1)
     mask = torch.tensor([[float(j < len(r)) for j in range(width)] for r in R]).reshape(-1, width)
     pad = lambda rows: C.pad_right(rows, "cpu") if rows else torch.zeros(0, width)  # noqa: E731
     has = torch.tensor([float(s.teacher_ids is not None) for s in samples]).reshape(-1, 1)
+    has_step = torch.tensor([float(s.step_teacher_ids is not None) for s in samples]).reshape(-1, 1)
+    apart = bool(has_step.any())  # --follow code, additive: the step skill's context scored apart
     a_opid, a_ep, a_skill = opid_advantages(torch.tensor([s.a_ep for s in samples]).reshape(-1), pad(old), pad(skill),
-                                            mask, has, args.lambda_skill)
+                                            mask, has, args.lambda_skill, pad(step) if apart else None, has_step)
     adv = [a_opid[i, :len(r)] for i, r in enumerate(R)]
     engine_lp = [s.engine_logp for s in samples]
     is_w = C.rollout_is_weights(old, engine_lp, args.rollout_is, args.rollout_is_cap)  # all 1 unless --rollout_is
     sums = Counter(ep_abs=a_ep.abs().sum().item(), skill_abs=(args.lambda_skill * a_skill).abs().sum().item(),
                    delta=a_skill.sum().item(), delta_abs=a_skill.abs().sum().item(),
-                   skill_tokens=(mask * has).sum().item())
+                   skill_tokens=(mask * has.maximum(has_step)).sum().item())
     order = list(range(len(samples)))
     random.shuffle(order)  # `random` is seeded per rank in init_distributed
     n_mb = C.n_minibatches(len(order), args.minibatch_turns, d)
-    norms = []
+    norms, code = [], args.follow == "code"  # --follow code: dual clip and entropy bonus (CODE_CLIP_C, CODE_ENTROPY)
+    clip_c, ent_coef = (CODE_CLIP_C, CODE_ENTROPY.get(args.env, 0.001)) if code else (0.0, 0.0)
     with timer("update"):
         for mb in [order[i::n_mb] for i in range(n_mb)]:
             n_tok = C.global_sum([sum(len(R[i]) for i in mb)], d.device)[0]  # valid tokens of the whole mini-batch
             for m in C.minibatch_chunks(d, P, R, C.micro_batches(mb, P, R, args.micro_batch, args.micro_batch_tokens),
                                         temperature=args.temperature):
-                logp, mb_mask = m.logprobs(policy)                                        # ℓ_θ, with gradient
+                logp, mb_mask, *ent = m.logprobs(policy, with_entropy=ent_coef > 0)      # ℓ_θ, with gradient
                 loss, pg, kl = opid_loss(logp, m.rows(old), m.rows(ref_lp), m.rows(adv) * m.rows(is_w), mb_mask,
-                                         args.clip_eps, args.beta_kl, n_tok)               # l.29-30 (· w: --rollout_is)
+                                         args.clip_eps, args.beta_kl, n_tok, clip_c, ent[0] if ent else None,
+                                         ent_coef)                                     # l.29-30 (· w: --rollout_is)
                 m.backward(loss)
                 C.add_sums(sums, m, pg=pg, kl=kl, tokens=mb_mask.sum())
             norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))  # Alg. 1 l.31
     tot = Counter(C.global_sums(sums, d))
     n_all, n_sk = max(tot["tokens"], 1.0), max(tot["skill_tokens"], 1.0)
-    taught = [s for s in samples if s.teacher_ids] if args.lambda_skill > 0 else []  # what l.19 scored
+    taught = [(t, s.response_ids) for s in samples for t in (s.teacher_ids, s.step_teacher_ids) if t] \
+        if args.lambda_skill > 0 else []  # what l.19 scored
     return {"losses/pg": tot["pg"] / n_mb, "losses/kl": tot["kl"] / n_mb,
             "losses/total": (tot["pg"] + args.beta_kl * tot["kl"]) / n_mb,
             "adv/episode_abs": tot["ep_abs"] / n_all,          # Fig. 8: mean |A_ep| over valid tokens
@@ -478,7 +541,7 @@ def opid_update(policy, ref, opt, samples: list[Sample], args, d, timer) -> dict
             "skill/token_frac": tot["skill_tokens"] / n_all,
             "train/minibatches": n_mb, **C.grad_norm_metrics(norms), "train/tokens": tot["tokens"],
             **C.rollout_mismatch(old, engine_lp, d), **harness.padding_metrics(d),
-            "perf/teacher_tokens": harness.sample_tokens([s.teacher_ids for s in taught], [s.response_ids for s in taught], d),
+            "perf/teacher_tokens": harness.sample_tokens([t for t, _ in taught], [r for _, r in taught], d),
             "perf/teacher_seqs": harness.sample_count(taught, d)}
 
 

@@ -63,7 +63,8 @@ from harness import arg
 
 @dataclass
 class Args(harness.RunArgs):
-    """SEED (Table 5 defaults; fields left at None take the per-env paper value, or the tiny preset)."""
+    """SEED (Table 5 defaults; fields left at None take the per-env paper value, or the tiny preset). SEED's code is
+    not public, so this follows the paper's text only (no --follow; opid.py and grsd.py have --follow code)."""
     out_dir: str = arg("runs/seed", "metrics.jsonl, stage-1 and final checkpoints go here", ops=True)
     # Stage 1 (§3.2, §4.1)
     skip_sft: bool = arg(False, "ablation 'w/o hindsight skill SFT': start stage 2 from the base model")

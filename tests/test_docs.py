@@ -46,6 +46,7 @@ RUN_AS_WRITTEN = {  # the laptop commands, run exactly as the docs give them
     "python -m tools.plot plot runs/grpo runs/seed runs/opid runs/grsd",
     "python -m tools.plot compare runs/grpo runs/seed runs/opid runs/grsd",
     "python opid.py", "python grsd.py", "python opid.py --lambda_skill 0 --out_dir runs/grpo",
+    "python opid.py --follow code --out_dir runs/opid_code", "python grsd.py --follow code --out_dir runs/grsd_code",
 }
 
 GPU = "a GPU node's command (8 ranks at the paper's scale, a hub model); rehearsed on CPU by tests/test_rehearsal.py"

@@ -411,6 +411,20 @@ def checksum(model) -> float:
                for v in model.state_dict().values())
 
 
+def test_follow_code_steps_the_reflections_after_the_task(d, tok, batch, monkeypatch):
+    """Row 10 of docs/methods.md: under --follow code the reflections' α·L_ref is one optimizer step of its own after
+    the task's mini-batch steps (n + 1 steps); the paper's reading puts them in the same n steps. With α = 0 both
+    take n steps."""
+    counts = []
+    real_step = C.clip_and_step
+    monkeypatch.setattr(grsd.C, "clip_and_step", lambda *a: counts.append(1) or real_step(*a))
+    for follow, alpha, extra in (("paper", 0.01, 0), ("code", 0.01, 1), ("code", 0.0, 0)):
+        counts.clear()
+        run = run_update(d, tok, batch, sgd=True, minibatch_turns=8, micro_batch=64, follow=follow, alpha=alpha)
+        assert len(counts) == run.row["train/minibatches"] + extra, (follow, alpha)
+        assert (run.row["losses/ref"] != 0) == (alpha > 0)
+
+
 def test_stu_and_tea_are_scored_once_before_any_step(d, tok, batch, independent, monkeypatch):
     """Alg. 1 l.17-29: ℓ_stu, ℓ_ref, the reflections' ℓ_old and ℓ_tea are scored at θ_old = θ̄ before the first
     optimiser step, and Â stays fixed over all mini-batches (SGD lr 1 moves θ a lot between them)."""
