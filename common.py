@@ -149,6 +149,7 @@ class Turn:
     observation: str          # the environment's answer to this step
     reward: float
     engine_logp: list[float] | None = None  # the rollout engine's log-prob of each sampled token (vLLM only)
+    penalty: float = 0.0      # what `reward` lost to the invalid-action penalty (envs' info["penalty"])
 
 
 @dataclass
@@ -252,7 +253,8 @@ def collect(engine, make_env, task_ids: list[str], n: int, max_prompt: int, max_
             stats.retrieval_failures += info.get("retrieval_error") == "failure"
             stats.bad_replies += info.get("retrieval_error") == "bad_reply"
             stats.excess_docs += info.get("excess_docs", 0)
-            trajs[i].turns.append(Turn(text, ids, resp, resp_text, info["action"], info["valid"], obs, reward, lp))
+            trajs[i].turns.append(Turn(text, ids, resp, resp_text, info["action"], info["valid"], obs, reward, lp,
+                                       info.get("penalty", 0.0)))
             trajs[i].won = bool(info["won"])
             trajs[i].score = float(info.get("score", info["won"]))
             if not done:
@@ -296,17 +298,16 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
 
 
 def task_reward(tr: Trajectory) -> float:
-    """The episode's reward without the invalid-action penalties. A turn's reward is its task reward minus the
-    penalty when it was penalised (envs.Env.step); a task reward is never negative and a penalised step earns none,
-    so a turn's task reward is max(r, 0) and its penalty max(−r, 0)."""
-    return sum(max(t.reward, 0.0) for t in tr.turns)
+    """The episode's reward without the invalid-action penalties (each turn's reward plus what it lost to one; under
+    verl_agent rules a malformed reply's command still runs, so a penalised step can earn a task reward too)."""
+    return sum(t.reward + t.penalty for t in tr.turns)
 
 
 def step_scores(tr: Trajectory) -> list[float]:
     """--follow code: each step's score in the released codes (verl-agent's EpisodeRewardManager puts the episode's
     task reward on every step; the trainer's apply_invalid_action_penalty then subtracts the penalty from the invalid
     step's own score only)."""
-    return [task_reward(tr) - max(-t.reward, 0.0) for t in tr.turns]
+    return [task_reward(tr) - t.penalty for t in tr.turns]
 
 
 def code_step_advantages(trajs: list[Trajectory], std_norm: bool = True) -> list[list[float]]:

@@ -8,8 +8,8 @@ words), env.family and env.observation (the first observation); env.prompt() is 
 `reward` is the step's task reward minus `invalid_penalty` if the step was invalid, so the episode sum is
 the return R(tau). An episode ends when won, when a search answer is given, or after `max_steps` steps
 (hitting the limit is a failure). `info` always holds "won", "valid", "action" (the parsed action, also
-when rejected; None if the tags were malformed), "family" and "admissible" (actions of the new state;
-None for search). Stepping a finished episode is a no-op: done=True, reward 0.
+when rejected; None if the tags were malformed), "family", "admissible" (actions of the new state;
+None for search) and "penalty" (what this step's reward lost to invalid_penalty, 0 if nothing). Stepping a finished episode is a no-op: done=True, reward 0.
 
 Response format: one `<think>...</think>` block, then one `<action>...</action>` (household, alfworld, webshop)
 or one `<search>query</search>` / `<answer>...</answer>` (search). No input string makes anything raise.
@@ -278,12 +278,13 @@ class Env:
             reward *= self.win_reward if self.rules == "verl_agent" else 1.0
         else:  # the state is untouched
             obs, reward, won, finished, extra = self.invalid_observation, 0.0, False, False, {}
-        reward -= self.invalid_penalty if penalised else 0.0
+        penalty = self.invalid_penalty if penalised else 0.0
+        reward -= penalty
         shown = next((a for a in (command, action) if a is not None), "(no well-formed action)")
         self.history.append((self.observation, shown[:300]))
         self.steps, self.observation, self.won = self.steps + 1, obs, won
         self.done = won or finished or self.steps >= self.max_steps
-        return obs, float(reward), self.done, self._info(action, valid, extra)
+        return obs, float(reward), self.done, {**self._info(action, valid, extra), "penalty": penalty}
 
     def _info(self, action, valid, extra) -> dict:
         return {"won": self.won, "valid": valid, "action": action, "family": self.family,

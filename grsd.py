@@ -546,13 +546,13 @@ def grsd_update(policy, ref, opt, turns, refls, args, d, timer) -> dict:
         r_tok = C.global_sum([float(sum(map(len, RR)))], d.device)[0] if code else 0.0  # (A_ref 0 ones too)
         if r_tok > 0:  # grsd_reflect_ray_trainer.py: one more step after the task's, α·L_ref alone, token mean, no KL
             chunks = C.micro_batches([j for j in range(len(refls)) if j in r_old], RP, RR, args.micro_batch,
-                                     args.micro_batch_tokens)
+                                     args.micro_batch_tokens) or [[]]  # none live: a zero loss, still a real step
             for m in C.minibatch_chunks(d, RP, RR, chunks, temperature=args.temperature):
                 logp, mask = m.logprobs(policy)                                     # θ after the task steps
                 pg = grpo_surrogate(logp, m.rows(r_old), m.column(r_adv), mask, 1.0, args.clip_eps, r_tok, clip_c)
                 C.add_sums(sums, m, ref=pg)
                 m.backward(args.alpha * pg)
-            C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps)
+            norms.append(C.clip_and_step(policy, opt, args.max_grad_norm, args.max_skipped_steps))
     tot = C.global_sums({k: sums[k] for k in ("pg", "kl", "ref", "tokens")}, d)
     pg, kl, lref, n_tok = tot["pg"], tot["kl"], tot["ref"] / (1 if code else n_mb), tot["tokens"]  # code: 1 step
     return {"losses/task": pg / n_mb, "losses/kl": kl / n_mb, "losses/ref": lref,

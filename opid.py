@@ -270,8 +270,8 @@ def _step_index(key) -> int | None:
 
 
 def code_step_skills(raw, n_steps: int, max_critical: int) -> dict[int, str]:
-    """--follow code (opid/analysis.py _parse_analysis_response, _analyze_episode_with_openai): step_skills only as
-    a dict; a key int() cannot read is skipped, every value is str()-ed (null becomes "None"), a repeated key keeps
+    """--follow code (opid/analysis.py _parse_analysis_response, _analyze_episode_with_openai): the "step_skills"
+    key only, as a dict; a key int() cannot read is skipped, every value is str()-ed (null becomes "None"), a repeated key keeps
     its last value; indices outside the trajectory are dropped, then the first max_critical in the order written
     are kept, EMPTY ones included: an empty skill takes a slot, and routing gives that step the episode skill."""
     steps: dict[int, str] = {}
@@ -280,8 +280,8 @@ def code_step_skills(raw, n_steps: int, max_critical: int) -> dict[int, str]:
             t = int(key)
         except (TypeError, ValueError):
             continue
-        if 0 <= t < n_steps:
-            steps[t] = str(skill)
+        if 0 <= t < n_steps:  # (a lone surrogate becomes '?', as clean_text does, so tokenizers accept it)
+            steps[t] = str(skill).encode("utf-8", "replace").decode("utf-8")
     return dict(list(steps.items())[:max_critical])
 
 
@@ -304,7 +304,7 @@ def parse_analysis(text: str | None, n_steps: int, max_critical: int, follow: st
     if episode is None:
         events["no_json" if obj is None else "no_episode_skill"] += 1
         return None, events
-    raw = _pick(obj, STEP_KEYS)
+    raw = obj.get("step_skills") if follow == "code" else _pick(obj, STEP_KEYS)  # code: that key only
     if follow == "code":
         steps = code_step_skills(raw, n_steps, max_critical)
         events["critical_steps"] += sum(bool(x.strip()) for x in steps.values())

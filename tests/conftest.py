@@ -231,7 +231,7 @@ def play(env, tok, responses):
         ids, _ = C.encode_prompt(tok, prompt, 1024)
         resp = tok(text, add_special_tokens=False)["input_ids"] + [end]
         obs, r, done, info = env.step(text)
-        tr.turns.append(C.Turn(prompt, ids, resp, text, info["action"], info["valid"], obs, r))
+        tr.turns.append(C.Turn(prompt, ids, resp, text, info["action"], info["valid"], obs, r, None, info["penalty"]))
         tr.won = info["won"]
         if done:
             break

@@ -13,13 +13,16 @@ import harness
 import opid
 
 
-def turn(reward: float, n_tokens: int = 2, valid: bool = True) -> C.Turn:
-    return C.Turn("prompt", [1, 2], list(range(3, 3 + n_tokens)), "reply", "act" if valid else None, valid, "obs",
-                  reward)
+def turn(reward: float, n_tokens: int = 2, penalty: float = 0.0) -> C.Turn:
+    """A turn whose reward already has `penalty` taken off (as envs.Env.step pays it)."""
+    return C.Turn("prompt", [1, 2], list(range(3, 3 + n_tokens)), "reply", "act", penalty == 0, "obs", reward, None,
+                  penalty)
 
 
-def traj(group: int, rewards: list[float], **kw) -> C.Trajectory:
-    tr = C.Trajectory(f"task{group}", group, "task", "family", "obs", [turn(r, **kw) for r in rewards])
+def traj(group: int, rewards: list[float], penalties: list[float] | None = None, **kw) -> C.Trajectory:
+    penalties = penalties or [0.0] * len(rewards)
+    tr = C.Trajectory(f"task{group}", group, "task", "family", "obs",
+                      [turn(r, penalty=p, **kw) for r, p in zip(rewards, penalties)])
     tr.won = any(r > 0 for r in rewards)
     return tr
 
@@ -30,8 +33,10 @@ def test_row1_the_penalty_on_the_invalid_step_and_step_sample_normalisation():
     """Rewards 10 and 0; the winner's first step was invalid (−0.1), so R = [9.9, 0]. Paper: A_ep = (R − μ)/σ per
     trajectory = [1, −1], broadcast to the steps: [1, 1, −1]. Code: step scores [10 − 0.1, 10, 0], normalised over
     the three step-samples with the unbiased std + 1e-6: [0.569, 0.586, −1.155]; WebShop's mean_norm: s − μ."""
-    trajs = [traj(0, [-0.1, 10.0]), traj(0, [0.0])]
+    trajs = [traj(0, [-0.1, 10.0], [0.1, 0.0]), traj(0, [0.0])]
     assert [C.step_scores(tr) for tr in trajs] == [[9.9, 10.0], [0.0]]
+    # verl_agent rules run a malformed reply's command: a penalised step can still win (10 − 0.1 = 9.9)
+    assert C.step_scores(traj(0, [0.0, 9.9], [0.0, 0.1])) == [10.0, 9.9] and C.task_reward(traj(0, [9.9], [0.1])) == 10
     s = torch.tensor([9.9, 10.0, 0.0])
     want = ((s - s.mean()) / (s.std() + 1e-6)).tolist()  # by hand: μ 6.633, σ 5.745
     assert want == pytest.approx([0.5686, 0.5860, -1.1547], abs=1e-4)
@@ -122,6 +127,7 @@ def test_row3_code_additive_builds_one_context_per_skill(tok):
     ('{"2": "a", "0": "b", "2": "c"}', {2: "a"}, {2: "c"}),     # a repeated key: first vs last value
     ('{"1": null, "2": 5}', {}, {1: "None"}),                   # not strings: dropped vs str()-ed
     ('{"step 1": "a", " 2 ": "b"}', {1: "a"}, {2: "b"}),        # "step 1": read vs skipped by int()
+    ('{"1": "do \\ud83d it"}', {1: "do ? it"}, {1: "do ? it"}),  # a lone surrogate: '?' in both (tokenizable)
 ])
 def test_row4_step_skills_as_the_code_parses_them(step_skills, paper, code):
     reply = '{"episode_skill": "E", "step_skills": ' + step_skills + '}'
@@ -198,12 +204,17 @@ def test_row9_the_codes_judge_reads_the_first_digit_0_to_3(reply, paper, code):
     assert grsd.parse_judge(reply) == paper and grsd.parse_judge_code(reply) == code
 
 
-def test_row10_a_ref_normalised_with_std_plus_eps_and_the_reflection_step_comes_last():
-    """A_ref: the code's (v − v̄)/(σ + 1e-6) and the paper's (v − v̄)/sqrt(σ² + 1e-6) agree to 1e-6 on scores
-    [3, 1, 0] ([1.3363, −0.2673, −1.0690]); a group with one judged reflection gets 0 in both."""
+def test_row10_a_ref_is_normalised_with_std_plus_eps_in_the_code():
+    """A_ref: the code's (v − v̄)/(σ + 1e-6) and the paper's (v − v̄)/sqrt(σ² + 1e-6) agree on judge scores [3, 1, 0]
+    ([1.3363, −0.2673, −1.0690]) but not when σ is near ε: [0, 0.001] gives ±0.998 vs ±0.447 (group_norm, the path
+    build_samples takes); a group with one judged reflection gets 0 in both. (That the reflection step comes after
+    the task's: tests/test_grsd.py::test_follow_code_steps_the_reflections_after_the_task.)"""
     v, ok = torch.tensor([3.0, 1.0, 0.0]), torch.ones(3, dtype=torch.bool)
     assert grsd.code_norm(v, ok).tolist() == pytest.approx([1.3363, -0.2673, -1.0690], abs=1e-4)
     assert grsd.code_norm(v, ok).tolist() == pytest.approx(grsd.norm_g(v, 1e-6, ok).tolist(), abs=1e-5)
+    trajs = [traj(0, [1.0]), traj(0, [0.0])]
+    assert grsd.group_norm(trajs, [0.0, 0.001], 1e-6, "code") == pytest.approx([-0.998, 0.998], abs=1e-3)
+    assert grsd.group_norm(trajs, [0.0, 0.001], 1e-6, "paper") == pytest.approx([-0.4472, 0.4472], abs=1e-4)
     one = torch.tensor([True, False, False])
     assert grsd.code_norm(v, one).tolist() == grsd.norm_g(v, 1e-6, one).tolist() == [0.0, 0.0, 0.0]
 
@@ -219,8 +230,21 @@ def test_row12_the_codes_task_loss_is_a_token_mean(tok):
         turns, refls = grsd.build_samples(trajs, [1.0, -1.0], refl, {0: None}, tok, args)
         denom = sum(s.weight * len(s.response_ids) for s in turns)
         assert [s.weight / denom for s in turns] == pytest.approx(want)
-        assert [s.adv for s in turns] == pytest.approx([1.0, -1.0] if follow == "paper" else
-                                                       [a for x in C.code_step_advantages(trajs) for a in x])
+        # the code's step-sample advantages: scores [10, 0], (s − 5)/(7.0711 + 1e-6)
+        assert [s.adv for s in turns] == pytest.approx([1.0, -1.0] if follow == "paper" else [0.70711, -0.70711],
+                                                       abs=1e-5)
+
+
+def test_the_env_reports_each_steps_penalty():
+    """info["penalty"] is what the step's reward lost (C.step_scores reads it from Turn.penalty): a malformed reply
+    costs 0.1 on household, a valid one nothing."""
+    import envs
+    env = envs.make_env("household", split="train", seed=0)
+    env.reset(env.task_ids()[0])
+    _, r, _, info = env.step("no tags at all")
+    assert info["penalty"] == 0.1 and r == -0.1
+    _, r, _, info = env.step(envs.format_expert_response(env.expert_action(), "household"))
+    assert info["penalty"] == 0.0 and r >= 0
 
 
 def test_follow_is_a_choice_and_code_refuses_trajectory_modulation():

@@ -425,6 +425,16 @@ def test_follow_code_steps_the_reflections_after_the_task(d, tok, batch, monkeyp
         assert (run.row["losses/ref"] != 0) == (alpha > 0)
 
 
+def test_follow_code_passes_the_dual_clip_and_the_entropy_bonus_to_the_task_loss(d, tok, batch, monkeypatch):
+    """Row 2 of docs/methods.md inside grsd_update: c = 3, the policy's entropy and 0.001 under --follow code."""
+    calls, real = [], grsd.grsd_task_loss
+    monkeypatch.setattr(grsd, "grsd_task_loss", lambda *a: calls.append(a[9:]) or real(*a))
+    for follow, clip_c, coef in (("paper", 0.0, 0.0), ("code", 3.0, 0.001)):
+        calls.clear()
+        run_update(d, tok, batch, follow=follow)
+        assert calls and all(c == clip_c and (e is None) == (follow == "paper") and k == coef for c, e, k in calls)
+
+
 def test_stu_and_tea_are_scored_once_before_any_step(d, tok, batch, independent, monkeypatch):
     """Alg. 1 l.17-29: ℓ_stu, ℓ_ref, the reflections' ℓ_old and ℓ_tea are scored at θ_old = θ̄ before the first
     optimiser step, and Â stays fixed over all mini-batches (SGD lr 1 moves θ a lot between them)."""

@@ -347,6 +347,18 @@ def test_two_ranks_give_the_single_process_update(d, tok, batch, tmp_path):
 # ------------------------------------------------------------------------------------------------ 6. routing
 
 
+def test_follow_code_passes_the_dual_clip_and_the_entropy_bonus_to_the_loss(d, tok, batch, monkeypatch):
+    """Row 2 of docs/methods.md inside opid_update: every loss call gets c = 3, the policy's entropy and 0.001 under
+    --follow code, and c = 0 with no entropy under the paper's reading."""
+    calls, real = [], opid.opid_loss
+    monkeypatch.setattr(opid, "opid_loss", lambda *a: calls.append(a[8:]) or real(*a))
+    trajs, analyses = batch
+    for follow, clip_c, coef in (("paper", 0.0, 0.0), ("code", 3.0, 0.001)):
+        calls.clear()
+        run_update(d, tok, trajs, analyses, follow=follow)
+        assert calls and all(c == clip_c and (e is None) == (follow == "paper") and k == coef for c, e, k in calls)
+
+
 def test_route_skills_by_hand():
     a = opid.Analysis("E", {1: "s1", 3: "s3"})
     E, N = "E", None
