@@ -201,23 +201,3 @@ def test_one_update_with_the_vllm_engine(method, ranks, tmp_path):
 if __name__ == "__main__" and sys.argv[1:2] == ["CHILD"]:
     sys.path.insert(0, str(HERE))  # this test module as its own worker (not a user command): sys.path[0] is tests/
     child(sys.argv[2])
-
-
-def test_eval_only_from_the_checkpoint_reproduces_the_eval_the_vllm_run_logged(tmp_path):
-    """OPID's one update on the vLLM engine in 1 process (check_vllm_run). The eval after update 0 ran on weights
-    pushed into the engine; --eval_only loads the saved final/ from disk into a fresh engine. Same seed and lengths →
-    the same episodes, so the same numbers: the push was real and sampling follows the seeded stream."""
-    out, ev = tmp_path / "run", tmp_path / "eval"
-    cmd = [sys.executable, str(HERE / "opid.py"), *RUN, *FAST["opid"]]
-    for extra in (["--out_dir", str(out)],
-                  ["--out_dir", str(ev), "--eval_only", "--model", str(out / "final"), "--max_prompt_len", "1024",
-                   "--max_response_len", "48", "--max_steps", "6"]):
-        res = subprocess.run(cmd + extra, cwd=HERE, env=env(), capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
-        if "--eval_only" not in extra:
-            check_vllm_run(out, res, 1)  # OPID's one update on 1 process
-    trained = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
-    scored = [json.loads(line) for line in open(ev / "metrics.jsonl")][-1]
-    keys = [k for k in trained if k.startswith("eval/")]
-    assert "eval/response_tokens" in keys and trained["eval/response_tokens"] > 0
-    assert {k: scored[k] for k in keys} == {k: trained[k] for k in keys}
