@@ -14,6 +14,7 @@ report is made from.
   python -m tools.experiment learn-dev       # 3d. the learning regime's candidates: GRPO on the dev layouts (LEARN_DEV)
   python -m tools.experiment learn           # 3e. the frozen regime (LEARN_PICK): 4 methods x 5 seeds, run by run
   python -m tools.experiment curve           #     one GRPO learning curve on layout 0 -> <out>/curve.png (README)
+  python -m tools.experiment learn-code      # 3f. OPID and GRSD with --follow code on layout 0, beside their `learn` runs
   python -m tools.experiment report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
   python -m tools.experiment oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
   python -m tools.experiment --smoke         # a 1-update version of everything -> runs/experiment-smoke, its own folder
@@ -180,11 +181,18 @@ def job_budget(b: Budget, name: str, smoke: bool = False) -> Budget:
     return dataclasses.replace(b, **{**over, **(SMOKE_SIZE if smoke else {})})
 
 
+# `learn-code` (issue 56): OPID and GRSD as their released code runs them (`--follow code`, docs/methods.md "Paper
+# text vs released code"), in the learning regime on layout 0, beside the committed paper-mode learn runs.
+CODE_METHODS = ("opid_code", "grsd_code")
+
+
 def run_flags(method: str, oracle_url: str, b: Budget, lr: float) -> tuple[str, list[str]]:
-    """(script, the method's own flags): method_flags, plus SCALED's coefficient for a "<method>_scaled" arm."""
-    base = method.removesuffix("_scaled")
+    """(script, the method's own flags): method_flags, plus SCALED's coefficient for a "<method>_scaled" arm and
+    `--follow code` for a "<method>_code" arm."""
+    base = method.removesuffix("_scaled").removesuffix("_code")
     script, extra = method_flags(base, oracle_url, b, lr)
-    return script, extra + (SCALED[base] if method != base else [])
+    return script, extra + (SCALED[base] if method.endswith("_scaled") else []) + \
+        (["--follow", "code"] if method.endswith("_code") else [])
 
 
 def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, on_done=None, log=print) -> dict:
@@ -431,6 +439,27 @@ def efficiency_table(records: list[dict], phase: str = "learn") -> str:
     return "\n".join(lines)
 
 
+def code_table(records: list[dict]) -> str:
+    """`learn-code`: each method's training success per update (and final valid_seen) as the paper text reads it
+    (its `learn` run) and as its released code runs it (`--follow code`), on the same layout, three lines each."""
+    runs = {(r["method"], r["seed"]): r for r in records if r["phase"] in ("learn", "learn-code")}
+    lines = []
+    for m in CODE_METHODS:
+        for (method, seed), code in sorted(runs.items()):
+            if method != m:
+                continue
+            paper, n = runs.get((m.removesuffix("_code"), seed)), len(code["train"])
+            lines += ["| run | " + " | ".join(str(t["update"]) for t in code["train"]) + " | valid_seen |",
+                      "|---|" + "---|" * (n + 1)]
+            for label, r in ((f"{m.removesuffix('_code')} paper, layout {seed}", paper),
+                             (f"{m.removesuffix('_code')} code, layout {seed}", code)):
+                if r is not None:
+                    lines.append(f"| {label} | " + " | ".join(f"{100 * t['success']:.0f}" for t in r["train"][:n])
+                                 + f" | {100 * final_eval(r, 'valid_seen'):.1f} % |")
+            lines.append("")
+    return "\n".join(lines)
+
+
 def learn_dev_table(records: list[dict]) -> str:
     """The learning regime's candidates (GRPO on the dev layouts): their settings, final valid_seen success, and gain
     over the backbone's own evaluation of the same layout."""
@@ -558,6 +587,9 @@ def report(results_dir: str, log=print) -> str:
         text += "## The learning regime (`learn`): comparison\n\n" + comparison_table(records, "learn") \
             + "\n\n## The learning regime: per layout (valid_seen)\n\n" + layout_table(records, "learn") \
             + "\n\n## The learning regime: sample efficiency\n\n" + efficiency_table(records) + "\n\n"
+    if any(r["phase"] == "learn-code" for r in records):
+        text += "## The learning regime: paper text vs released code (`learn-code`), training success % per " \
+                "update\n\n" + code_table(records) + "\n"
     if any(r["phase"] == "learn-dev" for r in records):
         text += "## The learning regime: candidates on the dev layouts (`learn-dev`)\n\n" + learn_dev_table(records) \
             + "\n\n"
@@ -680,7 +712,7 @@ FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 12
                                                    3000), decay_from=1500, bc_tasks=200,
             select_tasks=60, read_checks=(250, 500, 750, 1000, 1250), read_min=750, mech_tasks=64, mech_group=4,
             hint_tasks=24)
-COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "scaled", "learn-dev", "learn", "curve",
+COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "scaled", "learn-dev", "learn", "curve", "learn-code",
             "report")
 
 
@@ -734,6 +766,8 @@ def planned_runs(b: Budget, phase: str, lr: float, records: list[dict]) -> list[
             [(f"learn-{m}-s{s}", m, s, lr) for s in b.seeds for m in METHODS if m != "grpo"]
     if phase == "curve":
         return [("curve-grpo-s0", "grpo", 0, lr)]
+    if phase == "learn-code":
+        return [(f"learn-{m}-s0", m, 0, lr) for m in CODE_METHODS]
     if phase == "scaled-dev":
         return [(f"{m}-dev-s{s}", m, s, lr) for s in b.dev_seeds for m in SCALED_METHODS]
     check = scaled_dev_check(records, lr)
@@ -875,7 +909,9 @@ def main(argv=None):
         run_jobs(a, b, backbone, "learn", results, job_budget(b, "learn-", a.smoke).lr)
     if a.cmd == "curve":  # one GRPO learning curve (README): <out>/curve.png
         return run_curve(a, b, backbone, results)
-    if a.cmd in ("all", "runs", "dev", "scaled", "learn-dev", "learn"):
+    if a.cmd == "learn-code":  # OPID and GRSD with --follow code on layout 0 (issue 56)
+        run_jobs(a, b, backbone, "learn-code", results, job_budget(b, "learn-", a.smoke).lr)
+    if a.cmd in ("all", "runs", "dev", "scaled", "learn-dev", "learn", "learn-code"):
         report(results)
 
 
