@@ -42,6 +42,9 @@ Deviations / choices:
   * The library defaults to skills/alfworld.jsonl (household, alfworld) or skills/search.jsonl (search): short
     hand-written libraries of ours, not SDAR's files; WebShop has none (--skill_library FILE).
   * The other settings are SEED's Table 5 values (seed.PAPER without stage 1), as the papers' shared rows use.
+  * --lora_rank R > 0 (not in the paper, which trains every weight; issue 57): π_θ is the frozen base plus peft
+    adapters W + (α/r)·B·A, and π_ref is that same model with its adapters off (models.AdapterOff), i.e. exactly
+    the base. The engine samples from the merged weights (models.full_state_dict_iter).
 """
 from __future__ import annotations
 
@@ -331,8 +334,9 @@ def main(args: Args):
                                                  args.max_prompt_len + args.max_response_len, eval_context))
     run = harness.Run(args, args.method, d, args.updates)  # out_dir, metrics rows, --resume
     engine = models.make_engine(args, base, tok, d, args.max_prompt_len + args.max_response_len)  # agent turns only
-    policy = models.shard(models.load_model(run.state or base, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
-    ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)  # π_ref: the backbone
+    policy = models.shard(models.load_policy(run.state or base, base, args), d, args.bf16, grad_ckpt=args.grad_ckpt)
+    ref = models.AdapterOff(policy) if args.lora_rank else \
+        models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)  # π_ref: the backbone
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
         harness.restore_state(run.state, policy, opt, d)  # AdamW moments and every rank's RNG

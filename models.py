@@ -203,6 +203,10 @@ def fetch_snapshot(repo_id: str, offline: bool) -> str:
 def model_config(name: str):
     """The text model's config (transformers knows where it sits: nested `text_config` for multimodal checkpoints)."""
     from transformers import AutoConfig
+    if name == "tiny":
+        return build_tiny_model(len(load_tokenizer("tiny")), 0).config
+    if is_adapter(name):  # a LoRA checkpoint: its base's
+        return model_config(adapter_base(name))
     return AutoConfig.from_pretrained(name).get_text_config()
 
 
@@ -231,6 +235,10 @@ def load_model(name: str, seed: int, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
     if name == "tiny":
         return build_tiny_model(len(load_tokenizer("tiny")), seed).to(dtype)
+    if is_adapter(name):  # a LoRA run's checkpoint: W + (α/r)·B·A, a plain model (eval, the engines)
+        from peft import PeftModel
+        base = load_model(adapter_base(name), seed, torch.float32)
+        return PeftModel.from_pretrained(base, name).merge_and_unload().to(dtype)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     if os.path.isfile(os.path.join(name, MASTER)):
         from safetensors.torch import load_file
@@ -238,6 +246,67 @@ def load_model(name: str, seed: int, dtype=torch.float32):
         if unexpected or set(missing) - {"lm_head.weight"}:  # (a tied head is saved once, as the embedding)
             raise SystemExit(f"{name}: {MASTER} does not fit its config ({(unexpected + missing)[:3]})")
     return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LoRA (--lora_rank R > 0; issue 57): the trained policy is the frozen base plus peft adapters, W + (α/r)·B·A on
+# every targeted linear layer; π_ref is the same model with its adapters switched off (no second copy); the engines
+# get the merged weights. Checkpoints hold the adapter (peft format), final/ also the merged model (harness.save_state).
+# ----------------------------------------------------------------------------------------------------------------
+
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # every projection of attention and MLP
+
+
+def is_adapter(path: str) -> bool:
+    return os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json"))
+
+
+def adapter_base(path: str) -> str:
+    """The base model an adapter directory was trained on (what its adapter_config.json names)."""
+    import json
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        return json.load(f)["base_model_name_or_path"]
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def load_policy(theta: str, base: str, args):
+    """π_θ, unsharded. Without LoRA: load_model(theta). With LoRA: the base (frozen, in `dtype`: bf16 on GPU keeps a
+    3B base at 6 GB) plus adapters on --lora_targets (fp32, trainable): fresh ones (B = 0, so π_θ = π_base at the
+    start; A drawn from --seed, identical on every rank, the rank's RNG streams untouched), or a resumed run's
+    (theta: an adapter directory)."""
+    if not getattr(args, "lora_rank", 0):
+        return load_model(theta, args.seed)
+    from peft import LoraConfig, PeftModel, get_peft_model
+    model = load_model(base, args.seed, torch.bfloat16 if args.bf16 else torch.float32)
+    if is_adapter(theta):
+        return PeftModel.from_pretrained(model, theta, is_trainable=True, autocast_adapter_dtype=True)
+    targets = args.lora_targets.split(",")
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    unknown = [t for t in targets if t not in linear]
+    if unknown:
+        raise SystemExit(f"--lora_targets {','.join(unknown)}: no such linear module in {base}; its linear modules: "
+                         f"{','.join(linear)}")
+    model.name_or_path = base  # what adapter_config.json names as the base ("tiny" too)
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=targets)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        return get_peft_model(model, config, autocast_adapter_dtype=True)  # (freezes every non-adapter weight)
+
+
+class AdapterOff:
+    """π_ref under LoRA: the policy with its adapters switched off (peft's disable_adapter()), i.e. exactly the base
+    weights, computed by the same sharded modules. Called like a model (common.score)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
 
 
 def end_of_turn_id(tok) -> int:
@@ -274,11 +343,12 @@ def shard(model, d: Dist, bf16: bool, trainable: bool = True, grad_ckpt: bool = 
         MixedPrecisionPolicy()
     if grad_ckpt:  # recompute each decoder layer in backward instead of storing its activations
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in model.model.layers:
+    for layer in (model.get_base_model() if is_lora(model) else model).model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to(d.device)
-    model.requires_grad_(trainable)
+    if not (trainable and is_lora(model)):  # LoRA: the adapters alone train (get_peft_model froze the rest)
+        model.requires_grad_(trainable)
     model.train(trainable)  # HF models have dropout 0; train() only matters for custom configs
     return model
 
@@ -291,21 +361,49 @@ def release_memory():
         torch.cuda.empty_cache()
 
 
-def full_state_dict_iter(model, dtype: torch.dtype):
+def full_state_dict_iter(model, dtype: torch.dtype, adapted_only: bool = False):
     """Yield (name, full tensor in `dtype`) from an FSDP2 model, for a rollout engine. Each shard is cast before it is
     gathered (a bf16 engine: half the bytes of an fp32 all-gather), and a tensor shared by two names (a tied lm_head
     is the embedding) is gathered once and yielded under both: vLLM needs the lm_head name too (a layer it gets no
     weights for is put back as it was, silently untying it from the new embedding). Collective: every rank iterates
-    in the same order."""
+    in the same order.
+    LoRA (is_lora): the base model's names and weights, each adapted weight merged as W + (α/r)·B·A (in fp32, then
+    cast), without changing the policy; adapted_only: those alone (the others are the frozen base, which the engine
+    already holds)."""
+    lora = lora_layers(model)
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    embedding = model.get_input_embeddings().weight
     gathered: dict[int, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():  # (the parameters themselves: a tied one is one object)
+        if ".lora_" in name:
+            continue  # merged into its base_layer's weight below
+        layer = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
+        if adapted_only and layer not in lora:
+            continue
         if id(t) not in gathered:
-            local = t.detach().to(dtype)
+            local = t.detach().to(torch.float32 if layer in lora else dtype)
             gathered[id(t)] = local.full_tensor() if hasattr(local, "full_tensor") else local
-        yield name, gathered[id(t)]
-        if not (tied and t is model.get_input_embeddings().weight):
+        full = gathered[id(t)]
+        if layer in lora:  # W + (α/r)·B·A
+            m = lora[layer]
+            a, b = (w.detach().float() for w in (m.lora_A["default"].weight, m.lora_B["default"].weight))
+            a, b = (w.full_tensor() if hasattr(w, "full_tensor") else w for w in (a, b))
+            full = (full + m.scaling["default"] * (b @ a)).to(dtype)
+        yield hf_name(name), full
+        if not (tied and t is embedding):
             gathered.pop(id(t))  # only a tied embedding is asked for again
+
+
+def lora_layers(model) -> dict:
+    """{state-dict prefix: peft LoRA layer} of every adapted linear layer (empty without LoRA)."""
+    if not is_lora(model):
+        return {}
+    return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+
+
+def hf_name(name: str) -> str:
+    """A peft model's state-dict name as the base model (and the engines) call it."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -349,15 +447,18 @@ class HFEngine:
         self.dtype = next(model.parameters()).dtype
         self.tok, self.device, self.gen_batch = tok, device, gen_batch
         self.stops = stop_token_ids(tok)
+        self.synced = None  # LoRA: the policy whose frozen base weights are in (sync)
         self.generated = self.prompted = self.prompts = 0  # tokens sampled / prompt tokens read / prompts so far,
         # every role (logged per update)
 
     @torch.no_grad()
     def sync(self, fsdp_model):
-        """θ_old ← θ: copy the trained weights into the rollout model."""
+        """θ_old ← θ: copy the trained weights into the rollout model (LoRA: the merged ones; after the first sync
+        only the adapted weights, the rest being the frozen base)."""
         own = self.model.state_dict()  # (a tied lm_head shares the embedding's storage)
-        for name, t in full_state_dict_iter(fsdp_model, self.dtype):
+        for name, t in full_state_dict_iter(fsdp_model, self.dtype, adapted_only=self.synced is fsdp_model):
             own[name].copy_(t)
+        self.synced = fsdp_model if is_lora(fsdp_model) else None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float = 1.0,
@@ -464,13 +565,13 @@ class VLLMEngine(HFEngine):
         if d.device.type == "cpu":
             quiet_cpu_notices()
         self.tok, self.device, self.stops = tok, d.device, stop_token_ids(tok)
-        self.gpu, self.asleep, self._dir = d.device.type == "cuda", False, None
+        self.gpu, self.asleep, self._dir, self.synced = d.device.type == "cuda", False, None, None
         self.generated = self.prompted = self.prompts = 0
         self.dtype = dtype = torch.bfloat16 if args.bf16 else torch.float32
-        if name == "tiny":  # vLLM loads models from a directory: every rank writes the in-process tiny model to
-            from safetensors.torch import save_model  # its own (save_pretrained writes on rank 0 only)
-            self._dir = tempfile.mkdtemp(prefix="tiny-vllm-")
-            model = load_model("tiny", args.seed, dtype)
+        if name == "tiny" or is_adapter(name):  # vLLM loads models from a directory: every rank writes the
+            from safetensors.torch import save_model  # in-process tiny model, or a LoRA checkpoint merged, to its
+            self._dir = tempfile.mkdtemp(prefix="tiny-vllm-")  # own (save_pretrained writes on rank 0 only)
+            model = load_model(name, args.seed, dtype)
             model.config.save_pretrained(self._dir)
             save_model(model, os.path.join(self._dir, "model.safetensors"))  # (drops the tied lm_head copy)
             tok.save_pretrained(self._dir)
@@ -502,11 +603,13 @@ class VLLMEngine(HFEngine):
 
     @torch.no_grad()
     def sync(self, fsdp_model):
-        """θ_old ← θ: push every full tensor into the engine (collective over ranks, like HFEngine.sync)."""
+        """θ_old ← θ: push every full tensor into the engine (collective over ranks, like HFEngine.sync); LoRA: the
+        merged weights, after the first sync the adapted ones alone (a layer that gets none is kept as it was)."""
         if self.gpu and self.asleep:
             self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights are written
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_state_dict_iter(fsdp_model,
-                                                                                               self.dtype)})
+        weights = full_state_dict_iter(fsdp_model, self.dtype, adapted_only=self.synced is fsdp_model)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.synced = fsdp_model if is_lora(fsdp_model) else None  # LoRA: the frozen base is in from now on
         if self.gpu and self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

@@ -46,6 +46,9 @@ Deviations / choices:
     A_OPID is fixed during the mini-batch loop; λ_skill defaults to 0.001 (official scripts; both skill levels).
   * The loss is a token mean over the mini-batch's valid tokens (all ranks); KL is the k3 estimator to π_ref
     (the base model), β = 0.01 (0.001 for Search).
+  * --lora_rank R > 0 (not in the paper, which trains every weight; issue 57): π_θ is the frozen base plus peft
+    adapters W + (α/r)·B·A, and π_ref is that same model with its adapters off (models.AdapterOff), i.e. exactly
+    the base. The engine samples from the merged weights (models.full_state_dict_iter).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (B.4 / official scripts).
   * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; models.py,
     docs/engines.md). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
@@ -582,8 +585,9 @@ def main(args: Args):
     client, seen = harness.make_client(args.analyzer_url, args.analyzer_model, "analyzer", args), [0, 0]
 
     theta = run.state or base                                                                        # resumed θ
-    policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)       # π_θ
-    ref = models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)                    # π_ref, frozen
+    policy = models.shard(models.load_policy(theta, base, args), d, args.bf16, grad_ckpt=args.grad_ckpt)      # π_θ
+    ref = models.AdapterOff(policy) if args.lora_rank else \
+        models.shard(models.load_model(base, args.seed), d, args.bf16, trainable=False)          # π_ref, frozen
     engine = models.make_engine(args, theta, tok, d, engine_context(args))  # rollout engine: θ_old, by sync()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:

@@ -37,6 +37,10 @@ Deviations / choices:
   * A tied group (all R equal) gets A = 0 exactly, never NaN (see group_advantages).
   * With λ_opd = 0 no skills are generated (they would be unused).
   * The reference policy π_ref is the stage-1 checkpoint (the base model when stage 1 is skipped).
+  * --lora_rank R > 0 (not in the paper, which trains every weight; issue 57): π_θ is the frozen base plus peft
+    adapters W + (α/r)·B·A, and π_ref is that same model with its adapters off (models.AdapterOff), i.e. exactly
+    the base: θ_sft, because stage 1 trains its own adapter and saves it merged into the base (stage1/merged), and
+    stage 2 puts a fresh adapter on θ_sft. The engine samples from the merged weights (models.full_state_dict_iter).
   * Optimiser: AdamW, weight decay 0.01, gradient clipping at 1.0 (not stated in Table 5; verl defaults).
   * Rollouts and every text the policy writes come from --engine (an HF copy, or vLLM in each rank; models.py,
     docs/engines.md). ℓ_old is the trainer's own re-scoring of the sampled ids, as in the paper; the
@@ -236,7 +240,7 @@ def run_stage1(args, d, base, tok, make_env, train_ids, run, engine) -> str:
     """Collect B (M tasks × K0) with the base policy (the engine holds it), annotate, keep v_τ = 1, fine-tune with
     L_sft, save θ_sft with its skill library (a checkpoint that --resume restarts stage 2 from). Returns its path."""
     timer, t0 = harness.Timer(), time.perf_counter()
-    policy = models.shard(models.load_model(base, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)
+    policy = models.shard(models.load_policy(base, base, args), d, args.bf16, grad_ckpt=args.grad_ckpt)  # LoRA: fresh
     tasks = C.rank_slice(C.sample_tasks(train_ids, args.sft_tasks, -1, args.seed), d)
     run.note(f"stage 1: {args.sft_tasks} tasks × {args.sft_rollouts} rollouts with the base policy")
     if d.main:
@@ -269,7 +273,8 @@ def run_stage1(args, d, base, tok, make_env, train_ids, run, engine) -> str:
     skills_jsonl = "".join(json.dumps(x) + "\n" for part in C.all_gather_objects(library) for x in part)
     with timer("save"):
         harness.save_state(path, policy, tok, d, meta={"next_update": 0, "row": {**row, **timer.as_metrics()}},
-                           files={"skills.jsonl": skills_jsonl}, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+                           files={"skills.jsonl": skills_jsonl}, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                           merged=True)  # LoRA: θ_sft = stage1/merged, the stage-1 adapter merged into the base
     run.log({**row, **timer.as_metrics(), "time/total": time.perf_counter() - t0})
     del policy
     models.release_memory()  # θ_sft is on disk; stage 2 loads it (at 3B, ~11 GiB of GPU memory otherwise kept)
@@ -446,16 +451,17 @@ def main(args: Args):
     engine = models.make_engine(args, base, tok, d, engine_context(args))
 
     # Stage 1 (§3.2): θ_sft; it also serves as π_ref (Alg. 1 input). A resumed run found it done.
+    stage1 = os.path.join(args.out_dir, "stage1")
     if args.skip_sft:
         init = base
-    elif run.state:  # stage 1 finished before the checkpoint we resume from
-        init = os.path.join(args.out_dir, "stage1")
-    else:
-        init = run_stage1(args, d, base, tok, make_train, train_ids, run, engine)
-    static = static_library(init) if args.skill_source == "static" else None
-    theta = run.state or init                                                        # resumed θ
-    policy = models.shard(models.load_model(theta, args.seed), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
-    ref = models.shard(models.load_model(init, args.seed), d, args.bf16, trainable=False)    # π_ref, frozen
+    else:  # (a resumed run found stage 1 finished before its checkpoint)
+        init = stage1 if run.state else run_stage1(args, d, base, tok, make_train, train_ids, run, engine)
+        init = os.path.join(init, "merged") if args.lora_rank else init  # LoRA: stage 2's base is θ_sft, merged
+    static = static_library(stage1) if args.skill_source == "static" else None
+    theta = run.state if run.state and run.state != stage1 else init                 # resumed θ
+    policy = models.shard(models.load_policy(theta, init, args), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
+    ref = models.AdapterOff(policy) if args.lora_rank else \
+        models.shard(models.load_model(init, args.seed), d, args.bf16, trainable=False)      # π_ref = θ_sft, frozen
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if run.state:
         harness.restore_state(run.state, policy, opt, d)  # AdamW moments (none after stage 1) and every rank's RNG

@@ -3,6 +3,7 @@
   python -m tools.bench                                                  # household, offline tiny model, 5 rounds
   python -m tools.bench --env alfworld --data_dir ../shared/data/alfworld --env_workers 2 --rounds 6 --out runs/bench_alfworld
   python -m tools.bench --smoke                                          # 1 round, tiny settings (what CI runs)
+  python -m tools.bench --lora_rank 8                                    # also each method with LoRA (issue 57)
 
 1. An endpoint: tools/oracle.py's oracle, an OpenAI-compatible HTTP server on localhost, plays SEED's stage-1
    annotator, OPID's analyzer and GRSD's judge (on ALFWorld it cannot replay the game and answers from the task line:
@@ -36,6 +37,9 @@
    a decoded token at the full-batch rate of step 4 at its mean context (the remainder is lock-step waste and the
    Python around the engine). (GRSD's reflection scoring and training run inside its scoring and update phases: in
    `extra` only.) Mean lengths come from the runs' counts (perf/prompts, perf/rollout_turns, perf/teacher_seqs).
+
+6. With --lora_rank R, every round also runs each method with --lora_rank R (the same seed, weights and flags), and
+   the report adds LoRA's seconds per update against full fine-tuning's, per method and for the update phase alone.
 
 Deviations / choices:
   * The policies are small and untrained (the tiny model after stage 1 on a few tasks): no rollout wins, so GRSD's
@@ -108,6 +112,20 @@ def run(cmd: list[str], log: str, threads: int) -> float:
         with open(log) as f:
             raise SystemExit(f"[bench] {' '.join(cmd[1:3])} failed (exit {rc}); {log} ends:\n{f.read()[-3000:]}")
     return time.time() - t0
+
+
+def lora_table(out: str, rank: int) -> tuple[str, dict]:
+    """LoRA (--lora_rank rank) against full fine-tuning, per method: seconds per update and of its update phase."""
+    lines = [f"| method | s/update full | s/update LoRA r={rank} | LoRA / full | update phase full | update phase "
+             f"LoRA | LoRA / full |", "|---|---|---|---|---|---|---|"]
+    summary = {}
+    for m in METHODS:
+        full, lora = update_rows(out, m), update_rows(out, f"{m}-lora")
+        a, b = per_update(full), per_update(lora)
+        ua, ub = mean(full, "time/update"), mean(lora, "time/update")
+        summary[m] = {"full_s": a, "lora_s": b, "update_full_s": ua, "update_lora_s": ub}
+        lines.append(f"| {m} | {a:.2f} | {b:.2f} | {b / a:.2f}× | {ua:.2f} | {ub:.2f} | {ub / ua:.2f}× |")
+    return "\n".join(lines), summary
 
 
 def round_dir(out: str, method: str, r: int) -> str:
@@ -303,6 +321,8 @@ def main(argv_=None):
                    "[default: 30: the tiny model then writes skills that parse]")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run [default: 2]")
     p.add_argument("--smoke", action="store_true", help="1 round, 2 tasks x 2 rollouts, 3 steps, 2 SFT epochs")
+    p.add_argument("--lora_rank", type=int, default=0, help="also run every method with --lora_rank R each round "
+                   "and report LoRA against full fine-tuning [default: 0: full fine-tuning alone]")
     a = p.parse_args(argv_)
     if a.smoke:
         a.rounds, a.tasks, a.group, a.max_steps, a.sft_epochs = 1, 2, 2, 3, 2
@@ -328,11 +348,20 @@ def main(argv_=None):
             flags = dict(shared, **own, model=model, seed=r, out_dir=round_dir(a.out, m, r), updates=1)
             secs = run(argv(script, flags, switches + ["--overwrite"]), os.path.join(a.out, f"{m}.log"), a.threads)
             print(f"[bench] round {r + 1}/{a.rounds} {m}: {secs:.0f} s (process)", flush=True)
+            if a.lora_rank:  # the same update with LoRA adapters (π_ref: the adapters off)
+                flags.update(lora_rank=a.lora_rank, out_dir=round_dir(a.out, f"{m}-lora", r))
+                secs = run(argv(script, flags, switches + ["--overwrite"]), os.path.join(a.out, f"{m}-lora.log"),
+                           a.threads)
+                print(f"[bench] round {r + 1}/{a.rounds} {m} LoRA r={a.lora_rank}: {secs:.0f} s (process)", flush=True)
     server.shutdown()
     # 4. full-batch decoding at the contexts of the priced generation, on θ_sft, in this process
     torch.set_num_threads(a.threads)
     cal = calibrate(model, decode_contexts(a.out), rows=a.tasks * a.group)
     text, summary = report(a.out, cal)
+    if a.lora_rank:
+        table, lora = lora_table(a.out, a.lora_rank)
+        text += "\n\n" + table
+        summary = {**summary, "lora": lora}
     with open(os.path.join(a.out, "bench.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(a.out, "bench.json"), "w") as f:

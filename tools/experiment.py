@@ -15,6 +15,7 @@ report is made from.
   python -m tools.experiment learn           # 3e. the frozen regime (LEARN_PICK): 4 methods x 5 seeds, run by run
   python -m tools.experiment curve           #     one GRPO learning curve on layout 0 -> <out>/curve.png (README)
   python -m tools.experiment learn-code      # 3f. OPID and GRSD with --follow code on layout 0, beside their `learn` runs
+  python -m tools.experiment learn-lora      # 3g. GRPO with LoRA (LORA) on layout 0, beside its `learn` run
   python -m tools.experiment report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
   python -m tools.experiment oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
   python -m tools.experiment --smoke         # a 1-update version of everything -> runs/experiment-smoke, its own folder
@@ -184,15 +185,21 @@ def job_budget(b: Budget, name: str, smoke: bool = False) -> Budget:
 # `learn-code` (issue 56): OPID and GRSD as their released code runs them (`--follow code`, docs/methods.md "Paper
 # text vs released code"), in the learning regime on layout 0, beside the committed paper-mode learn runs.
 CODE_METHODS = ("opid_code", "grsd_code")
+# `learn-lora` (issue 57): GRPO with LoRA adapters in the learning regime on layout 0, beside the committed full
+# fine-tuning run. Fixed before the run, not tuned: rank 16, α 32 (scale 2) on every projection, and 10× the
+# regime's lr (LoRA's usual ratio to a full fine-tuning lr: B starts at 0 and the adapter is a small subspace).
+LORA = ["--lora_rank", "16", "--lora_alpha", "32"]
+LORA_LR_X = 10
+ARMS = {"_code": ["--follow", "code"], "_lora": LORA}
 
 
 def run_flags(method: str, oracle_url: str, b: Budget, lr: float) -> tuple[str, list[str]]:
-    """(script, the method's own flags): method_flags, plus SCALED's coefficient for a "<method>_scaled" arm and
-    `--follow code` for a "<method>_code" arm."""
-    base = method.removesuffix("_scaled").removesuffix("_code")
+    """(script, the method's own flags): method_flags, plus SCALED's coefficient for a "<method>_scaled" arm,
+    `--follow code` for a "<method>_code" arm and LORA for a "<method>_lora" arm."""
+    arm = next((a for a in ("_scaled",) + tuple(ARMS) if method.endswith(a)), "")
+    base = method.removesuffix(arm) if arm else method
     script, extra = method_flags(base, oracle_url, b, lr)
-    return script, extra + (SCALED[base] if method.endswith("_scaled") else []) + \
-        (["--follow", "code"] if method.endswith("_code") else [])
+    return script, extra + (SCALED[base] if arm == "_scaled" else ARMS.get(arm, []))
 
 
 def launch_all(jobs: list[tuple[str, list[str]]], parallel: int, threads: int, on_done=None, log=print) -> dict:
@@ -439,23 +446,24 @@ def efficiency_table(records: list[dict], phase: str = "learn") -> str:
     return "\n".join(lines)
 
 
-def code_table(records: list[dict]) -> str:
-    """`learn-code`: each method's training success per update (and final valid_seen) as the paper text reads it
-    (its `learn` run) and as its released code runs it (`--follow code`), on the same layout, three lines each."""
-    runs = {(r["method"], r["seed"]): r for r in records if r["phase"] in ("learn", "learn-code")}
+def arm_table(records: list[dict], arms: tuple) -> str:
+    """`learn-code` / `learn-lora`: each arm's training success per update (and final valid_seen) beside the
+    committed `learn` run of its method on the same layout (paper text, full fine-tuning), three lines each."""
+    runs = {(r["method"], r["seed"]): r for r in records if r["phase"] in ("learn", "learn-code", "learn-lora")}
     lines = []
-    for m in CODE_METHODS:
-        for (method, seed), code in sorted(runs.items()):
-            if method != m:
+    for arm in arms:
+        method, kind = arm.rsplit("_", 1)
+        label = {"code": ("paper", "code"), "lora": ("full", f"LoRA, lr ×{LORA_LR_X}")}[kind]
+        for (m, seed), r in sorted(runs.items()):
+            if m != arm:
                 continue
-            paper, n = runs.get((m.removesuffix("_code"), seed)), len(code["train"])
-            lines += ["| run | " + " | ".join(str(t["update"]) for t in code["train"]) + " | valid_seen |",
+            n = len(r["train"])
+            lines += ["| run | " + " | ".join(str(t["update"]) for t in r["train"]) + " | valid_seen |",
                       "|---|" + "---|" * (n + 1)]
-            for label, r in ((f"{m.removesuffix('_code')} paper, layout {seed}", paper),
-                             (f"{m.removesuffix('_code')} code, layout {seed}", code)):
-                if r is not None:
-                    lines.append(f"| {label} | " + " | ".join(f"{100 * t['success']:.0f}" for t in r["train"][:n])
-                                 + f" | {100 * final_eval(r, 'valid_seen'):.1f} % |")
+            for name, x in ((label[0], runs.get((method, seed))), (label[1], r)):
+                if x is not None:
+                    lines.append(f"| {method} {name}, layout {seed} | " + " | ".join(
+                        f"{100 * t['success']:.0f}" for t in x["train"][:n]) + f" | {100 * final_eval(x, 'valid_seen'):.1f} % |")
             lines.append("")
     return "\n".join(lines)
 
@@ -589,7 +597,10 @@ def report(results_dir: str, log=print) -> str:
             + "\n\n## The learning regime: sample efficiency\n\n" + efficiency_table(records) + "\n\n"
     if any(r["phase"] == "learn-code" for r in records):
         text += "## The learning regime: paper text vs released code (`learn-code`), training success % per " \
-                "update\n\n" + code_table(records) + "\n"
+                "update\n\n" + arm_table(records, CODE_METHODS) + "\n"
+    if any(r["phase"] == "learn-lora" for r in records):
+        text += "## The learning regime: LoRA vs full fine-tuning (`learn-lora`), training success % per update\n\n" \
+            + arm_table(records, ("grpo_lora",)) + "\n"
     if any(r["phase"] == "learn-dev" for r in records):
         text += "## The learning regime: candidates on the dev layouts (`learn-dev`)\n\n" + learn_dev_table(records) \
             + "\n\n"
@@ -712,8 +723,8 @@ FULL = dict(budget=Budget(), bc_steps=3000, checks=(200, 400, 600, 800, 1000, 12
                                                    3000), decay_from=1500, bc_tasks=200,
             select_tasks=60, read_checks=(250, 500, 750, 1000, 1250), read_min=750, mech_tasks=64, mech_group=4,
             hint_tasks=24)
-COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "scaled", "learn-dev", "learn", "curve", "learn-code",
-            "report")
+COMMANDS = ("all", "backbone", "oracle", "mechanism", "hints", "dev", "runs", "scaled", "learn-dev", "learn", "curve",
+            "learn-code", "learn-lora", "report")
 
 
 def backbone_digest(backbone: str) -> str:
@@ -768,6 +779,8 @@ def planned_runs(b: Budget, phase: str, lr: float, records: list[dict]) -> list[
         return [("curve-grpo-s0", "grpo", 0, lr)]
     if phase == "learn-code":
         return [(f"learn-{m}-s0", m, 0, lr) for m in CODE_METHODS]
+    if phase == "learn-lora":
+        return [("learn-grpo_lora-s0", "grpo_lora", 0, LORA_LR_X * lr)]
     if phase == "scaled-dev":
         return [(f"{m}-dev-s{s}", m, s, lr) for s in b.dev_seeds for m in SCALED_METHODS]
     check = scaled_dev_check(records, lr)
@@ -911,7 +924,9 @@ def main(argv=None):
         return run_curve(a, b, backbone, results)
     if a.cmd == "learn-code":  # OPID and GRSD with --follow code on layout 0 (issue 56)
         run_jobs(a, b, backbone, "learn-code", results, job_budget(b, "learn-", a.smoke).lr)
-    if a.cmd in ("all", "runs", "dev", "scaled", "learn-dev", "learn", "learn-code"):
+    if a.cmd == "learn-lora":  # GRPO with LoRA on layout 0 (issue 57)
+        run_jobs(a, b, backbone, "learn-lora", results, job_budget(b, "learn-", a.smoke).lr)
+    if a.cmd in ("all", "runs", "dev", "scaled", "learn-dev", "learn", "learn-code", "learn-lora"):
         report(results)
 
 

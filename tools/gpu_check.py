@@ -71,6 +71,8 @@ ROOT = os.path.dirname(HERE)
 QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                  num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
                  rms_norm_eps=1e-6, tie_word_embeddings=True)  # Qwen/Qwen2.5-3B-Instruct's config.json
+QWEN25_15B = dict(QWEN25_3B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2)  # Qwen/Qwen2.5-1.5B-Instruct's config.json (vocabulary, tied embeddings alike)
 BACKBONE = os.path.join(ROOT, "docs", "results", "backbone")  # 4-layer Qwen2 cloned on household: peaked outputs
 BIG = "qwen2.5-3b-shape"
 BIG_METHOD = "grpo"
@@ -323,9 +325,48 @@ def engine_section(model_dir: str, out_json: str):
     if gpu:
         growth = res["cycles"][-1]["awake_gib"] - res["cycles"][0]["awake_gib"]
         assert growth < 0.5, f"device memory grew {growth:.2f} GiB over the cycles"
+    del policy
+    res["lora"] = lora_push(engine, model_dir, prompts, n_new, d, bf16)
     with open(out_json, "w") as f:
         json.dump(res, f)
     models.shutdown(engine)
+
+
+def lora_push(engine, model_dir: str, prompts, n_new: int, d, bf16: bool) -> list[dict]:
+    """LoRA (issue 57): a rank-16 adapter (B drawn, not 0) on every projection; sync() pushes W + (α/r)·B·A (all
+    weights), then, with the adapter changed, the adapted weights alone. After each push the engine's sampled-token
+    log-probs must match the adapted policy's (fp32: < 1e-4) and be closer to it than to the base's."""
+    import torch
+
+    import common as C
+    import models
+    args = SimpleNamespace(lora_rank=16, lora_alpha=32.0, lora_dropout=0.0, seed=0, bf16=bf16,
+                           lora_targets=models.LORA_TARGETS)
+    lora = models.load_policy(model_dir, model_dir, args)
+    with torch.no_grad():
+        for layer in models.lora_layers(lora).values():
+            layer.lora_B["default"].weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(3))
+    lora = models.shard(lora, d, bf16)
+    out = []
+    for push in ("first (every weight)", "second (adapted weights alone)"):
+        if out:
+            with torch.no_grad():
+                for layer in models.lora_layers(lora).values():
+                    layer.lora_A["default"].weight.mul_(-1.0)
+        t = time.perf_counter()
+        engine.sync(lora)
+        dt = time.perf_counter() - t
+        torch.manual_seed(4)
+        ids, lp = engine.sample(prompts, n_new, 1.0)
+        m = {"sync_s": dt, "synced": mismatch(C.score(lora, prompts, ids, 8, d), lp),
+             "base": mismatch(C.score(models.AdapterOff(lora), prompts, ids, 8, d), lp)}
+        say(f"engine: LoRA push, {push}: sync {dt:.1f} s; engine vs adapted trainer {fmt_mismatch(m['synced'])} "
+            f"(vs the base: mean {m['base']['mean']:.2e})")
+        assert m["synced"]["mean"] < m["base"]["mean"], "the engine samples from the base, not the adapter"
+        if not bf16:
+            assert m["synced"]["max"] < 1e-4, f"fp32 engine vs LoRA trainer log-probs differ by {m['synced']['max']:.2e}"
+        out.append(m)
+    return out
 
 
 def vllm_mismatch(model_dir: str, out_json: str):
@@ -643,6 +684,63 @@ def projection_table(rows: dict, gpu_util: float) -> str:
     return "\n".join(lines)
 
 
+# One GPU (issue 57): full fine-tuning against LoRA, per model size and card. Arithmetic throughout (no GPU run of
+# these settings yet), with the assumptions named in each row.
+ONE_GPU = dict(micro_batch=2, prompt=2048, response=512, lora_rank=64, cards=(24, 48, 80))
+
+
+def lora_params(cfg: dict, rank: int) -> int:
+    """Adapter parameters r·(in + out) summed over q, k, v, o, gate, up, down of every layer."""
+    h, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    return layers * rank * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + f) + (f + h))
+
+
+def one_gpu_rows(cfg: dict, lora: bool) -> dict:
+    """{part: (GiB, source, when)} of the trainer on one GPU (FSDP over 1 rank, bf16 compute, activation
+    checkpointing, ONE_GPU's micro-batch); when: resident (all run long), grads (backward and step), act (backward),
+    step (optimizer step). Full: fp32 weights, gradients, AdamW, its step transient, the fp32 reference. LoRA: the
+    bf16 base (frozen; π_ref is the base with the adapter off: no copy), fp32 adapter, its gradients and AdamW."""
+    N, P = param_count(cfg), lora_params(cfg, ONE_GPU["lora_rank"])
+    B, T, R = ONE_GPU["micro_batch"], ONE_GPU["prompt"] + ONE_GPU["response"], ONE_GPU["response"]
+    h, f, L, V = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    act = L * B * T * h * 2 + B * T * (10 * h + 4 * f) * 2 + B * (R + 1) * V * 14  # as projection_rows
+    n = P if lora else N
+    rows = {"base bf16, frozen (also π_ref)": (2 * N, "resident")} if lora else \
+        {"reference fp32, frozen": (4 * N, "resident")}
+    rows.update({"trained fp32 weights": (4 * n, "resident"), "AdamW moments": (8 * n, "resident"),
+                 "gradients fp32": (4 * n, "grads"), "AdamW step transient": (4 * n, "step"),
+                 f"activations, micro-batch {B} × {T}": (act, "act")})
+    out = {k: (v / GIB, "arithmetic" if when != "act" else "arithmetic, rough", when) for k, (v, when) in rows.items()}
+    out["CUDA context"] = (1.0, "assumed", "resident")
+    return out
+
+
+def one_gpu_table() -> str:
+    """Per model and training mode: the trainer's peak (resident + vLLM asleep, 0.5 GiB assumed + gradients + the
+    larger of activations and the step transient) and, per card, the --gpu_memory_utilization that leaves the
+    trainer's resident state room during rollouts, if vLLM then still gets its bf16 weights + 2 GiB (assumed: KV
+    cache and its own buffers)."""
+    lines = ["| model | training | trainer resident / peak GiB | " + " | ".join(
+        f"{g} GB card" for g in ONE_GPU["cards"]) + " |", "|---|---|---|" + "---|" * len(ONE_GPU["cards"])]
+    for name, cfg in (("Qwen2.5-1.5B", QWEN25_15B), ("Qwen2.5-3B", QWEN25_3B)):
+        for lora in (False, True):
+            part = {w: sum(v for v, _, when in one_gpu_rows(cfg, lora).values() if when == w)
+                    for w in ("resident", "grads", "act", "step")}
+            peak = part["resident"] + 0.5 + part["grads"] + max(part["act"], part["step"])
+            need = 2 * param_count(cfg) / GIB + 2.0
+            cells = []
+            for g in ONE_GPU["cards"]:
+                card = g * 1e9 / GIB
+                room = card - part["resident"]
+                cells.append(f"no: the trainer needs {peak:.1f} GiB" if peak > card else
+                             f"no: vLLM needs {need:.1f} GiB" if room < need else
+                             f"fits, --gpu_memory_utilization ≤ {room / card:.2f}")
+            lines.append(f"| {name} | {'LoRA r=' + str(ONE_GPU['lora_rank']) if lora else 'full'} | "
+                         f"{part['resident']:.1f} / {peak:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def part_projection(a, root: str, device: str):
     import harness
     gpu_util = harness.RunArgs.gpu_memory_utilization
@@ -668,6 +766,9 @@ def part_projection(a, root: str, device: str):
     top = max(gib for _, gib in projection_phases(rows))
     say(f"projection: largest phase {top:.1f} GiB of {H100_GIB} GiB per H100"
         + (" (arithmetic, --cpu-smoke)" if a.cpu_smoke else ""))
+    say(f"projection: one GPU (issue 57), micro-batch {ONE_GPU['micro_batch']} of {ONE_GPU['prompt']} + "
+        f"{ONE_GPU['response']} tokens, bf16 compute, activation checkpointing; arithmetic:")
+    print(one_gpu_table(), flush=True)
     assert top < H100_GIB, f"projected {top:.1f} GiB per rank does not fit an H100"
 
 
