@@ -85,7 +85,7 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
             if lora:
                 policy.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)  # peft format
                 if merged:
-                    write_merged(merged, policy.config, tok, os.path.join(tmp, "merged"))
+                    write_merged(merged, policy.config, tok, os.path.join(tmp, "merged"), dtype)
             elif dtype != torch.float32:
                 write_master(sd, policy.config, os.path.join(tmp, MASTER))
                 sd = {k: v.to(dtype) for k, v in sd.items()}
@@ -126,14 +126,19 @@ def save_state(path: str, policy, tok, d: Dist, opt=None, meta: dict | None = No
     dist.barrier()
 
 
-def write_merged(sd: dict, config, tok, path: str):
-    """A LoRA run's merged model as a plain HF directory (a tied lm_head once, as the embedding)."""
+def write_merged(sd: dict, config, tok, path: str, dtype: torch.dtype):
+    """A LoRA run's merged model as a plain HF directory (a tied lm_head once, as the embedding; config.json's dtype
+    says what the weights on disk are)."""
     from safetensors.torch import save_file
     os.makedirs(path)
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
     save_file({k: v.contiguous() for k, v in sd.items() if not (tied and k == "lm_head.weight")},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**saved, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
     tok.save_pretrained(path)
 
 

@@ -545,3 +545,29 @@ def test_curve_band_starts_each_run_from_its_own_layouts_backbone():
     assert stats[0] == pytest.approx((0.30, 0.5 ** 0.5 * 0.1))  # mean .3, sample std of (.25, .35)
     assert stats[1] == pytest.approx((0.40, 0.5 ** 0.5 * 0.1))
     assert E.held_out_band(band, {0: bases[0]})[0] == [16]
+
+
+def test_code_and_lora_arms_flags_plan_and_table_by_hand(monkeypatch):
+    """learn-code / learn-lora (issues 56, 57): an arm's argv is its method's plus `--follow code` or LORA, which the
+    method's CLI reads back; each runs on layout 0 (LoRA at LORA_LR_X × the regime's lr); arm_table puts the arm's
+    training success per update under its method's learn run of the same layout."""
+    b = E.Budget()
+    for arm, mod, field, want in [("opid_code", opid, "follow", "code"), ("grsd_code", grsd, "follow", "code"),
+                                  ("grpo_lora", seed, "lora_rank", 16)]:
+        script, extra = E.run_flags(arm, "http://127.0.0.1:1/v1", b, 1e-5)
+        assert script == f"{mod.__name__}.py"
+        monkeypatch.setattr(sys, "argv", [script] + E.shared_flags(b, "m", 0, "o", 1e-5) + extra)
+        assert getattr(harness.parse_args(mod.Args, mod.PAPER, mod.LAPTOP), field) == want
+    assert E.planned_runs(b, "learn-code", 5e-5, []) == [("learn-opid_code-s0", "opid_code", 0, 5e-5),
+                                                         ("learn-grsd_code-s0", "grsd_code", 0, 5e-5)]
+    assert E.planned_runs(b, "learn-lora", 5e-5, []) == [("learn-grpo_lora-s0", "grpo_lora", 0, 5e-4)]
+
+    def rec(method, phase, train, seen):
+        return {"name": f"learn-{method}-s0", "phase": phase, "method": method, "seed": 0, "lr": 5e-5,
+                "seconds": 1.0, "evals": [{"update": 2, "valid_seen": seen}], "time_per_update": {},
+                "train": [{"update": u + 1, "success": x, "invalid": 0.0} for u, x in enumerate(train)]}
+    table = E.arm_table([rec("grpo", "learn", [0.25, 0.5], 0.4), rec("grpo_lora", "learn-lora", [0.125, 0.75], 0.45)],
+                        ("grpo_lora",))
+    assert table.splitlines()[:4] == ["| run | 1 | 2 | valid_seen |", "|---|---|---|---|",
+                                      "| grpo full, layout 0 | 25 | 50 | 40.0 % |",
+                                      "| grpo LoRA, lr ×10, layout 0 | 12 | 75 | 45.0 % |"]

@@ -56,6 +56,16 @@ def test_gpu_check_cpu_smoke_passes_its_own_checks(tmp_path):
 
     assert "ARITHMETIC ONLY" in out and "| policy fp32 master weights | 1.44 | arithmetic |" in out
     assert re.search(r"\| peak: rollout \(vLLM awake\) \| [\d.]+ \|", out)
-    table = [line for line in out.split("== projection ==")[1].splitlines() if line.startswith("| ")]
+    eight, one = out.split("== projection ==")[1].split("projection: one GPU")
+    table = [line for line in eight.splitlines() if line.startswith("| ")]
     assert len(table) == 13 and not any("measured" in line for line in table)  # CPU: nothing passes as measured
+    # one GPU (issue 57), arithmetic: full fine-tuning of 3B fits none but the 80 GB card, LoRA fits all three
+    single = [line for line in one.splitlines() if line.startswith("| Qwen")]
+    assert [line.split(" | ")[:3] for line in single] == [
+        ["| Qwen2.5-1.5B", "full", "24.0 / 36.0"], ["| Qwen2.5-1.5B", "LoRA r=64", "4.7 / 8.4"],
+        ["| Qwen2.5-3B", "full", "47.0 / 70.5"], ["| Qwen2.5-3B", "LoRA r=64", "8.1 / 12.4"]]
+    assert single[2].count("no: the trainer needs 70.5 GiB") == 2 and single[3].count("fits") == 3
+    if importlib.util.find_spec("vllm"):  # the engine part's LoRA pushes: the engine samples from the adapter
+        pushes = re.findall(r"engine: LoRA push, (first|second) .*vs adapted trainer mean \|Δℓ\| \S+, max (\S+),", out)
+        assert [p[0] for p in pushes] == ["first", "second"] and all(float(p[1]) < 1e-4 for p in pushes)
 

@@ -80,6 +80,24 @@ def test_the_engine_gets_the_merged_weights_and_then_the_adapted_ones_alone(d):
     assert (scores(engine.model, d) - scores(policy, d)).abs().max() < 1e-5
 
 
+def test_activation_checkpointing_gives_the_adapters_the_same_gradients(d):
+    """The GPU default (--grad_ckpt) with LoRA: the frozen base's recomputed layers pass the gradient on to the
+    adapters (non-reentrant checkpointing needs no input that requires grad)."""
+    grads = []
+    for ckpt in (False, True):
+        policy = models.load_policy("tiny", "tiny", lora_args())
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for layer in models.lora_layers(policy).values():
+                layer.lora_B["default"].weight.normal_(0.0, 0.05, generator=g)
+        policy = models.shard(policy, d, bf16=False, grad_ckpt=ckpt)
+        logp, mask = C.sequence_logprobs(policy, PROMPTS, RESPONSES, d.device)
+        (-(logp * mask).sum()).backward()
+        grads.append({n: p.grad.full_tensor().clone() for n, p in policy.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all(grads[0][k].abs().max() > 0 for k in grads[0])
+    assert all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
+
+
 def test_merged_weights_equal_peft_merge_and_unload(d):
     """full_state_dict_iter's W + (α/r)·B·A is peft's own merge, tensor by tensor, under the base model's names."""
     policy = trained_adapter(d)
@@ -191,3 +209,19 @@ def test_seed_with_lora_merges_the_stage1_adapter_into_theta_sft(tmp_path):
     assert stage2["losses/kl"] == 0.0  # π_θ = θ_sft + a fresh adapter (B = 0) = π_ref at the first step
     assert json.load(open(tmp_path / "final" / "adapter_config.json"))["base_model_name_or_path"] == \
         str(tmp_path / "stage1" / "merged")
+
+
+def test_bench_lora_table(tmp_path):
+    """tools/bench.py --lora_rank: seconds per update (save excluded) and of the update phase, LoRA over full, from
+    each run's rows, per method."""
+    from tools import bench
+    for m in bench.METHODS:
+        for arm, total, update in (("", 10.0, 4.0), ("-lora", 8.0, 2.0)):
+            for r in range(2):
+                run_dir = tmp_path / f"{m}{arm}" / f"round{r}"
+                run_dir.mkdir(parents=True)
+                row = {"update": 0, "time/total": total + r, "time/save": 1.0, "time/update": update}
+                (run_dir / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    text, summary = bench.lora_table(str(tmp_path), 8)
+    assert "| grpo | 9.50 | 7.50 | 0.79× | 4.00 | 2.00 | 0.50× |" in text.splitlines()
+    assert summary["opid"] == {"full_s": 9.5, "lora_s": 7.5, "update_full_s": 4.0, "update_lora_s": 2.0}

@@ -96,10 +96,13 @@ def two_nodes(method, out, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["seed", "opid", "grsd"])
+@pytest.mark.parametrize("method", ["opid"])
 def test_two_nodes_checkpoint_resume_and_match_one_node(method, tmp_path):
     """2 nodes × 1 process: 1 update (one checkpoint, final/), then --resume to 2 updates; the rows and the final
-    weights equal one node with 2 processes running both updates straight (the same ranks, the same gloo maths)."""
+    weights equal one node with 2 processes running both updates straight (the same ranks, the same gloo maths).
+    OPID alone (SEED's and GRSD's, ~65 s, were retired for issue 57's LoRA tests): the rendezvous, the shared out_dir
+    and the checkpoint are the harness's, the same for every method, and each method's own 2-rank resume is
+    test_kill_9_then_resume_equals_the_uninterrupted_run's."""
     flags = ["--eval_every", "1"]
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
     run(torchrun(method, one, *flags, "--updates", "2"))
