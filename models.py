@@ -273,7 +273,7 @@ def is_lora(model) -> bool:
 
 
 def load_policy(theta: str, base: str, args):
-    """π_θ, unsharded. Without LoRA: load_model(theta). With LoRA: the base (frozen, in `dtype`: bf16 on GPU keeps a
+    """π_θ, unsharded. Without LoRA: load_model(theta). With LoRA: the base (frozen; bf16 under --bf16, which keeps a
     3B base at 6 GB) plus adapters on --lora_targets (fp32, trainable): fresh ones (B = 0, so π_θ = π_base at the
     start; A drawn from --seed, identical on every rank, the rank's RNG streams untouched), or a resumed run's
     (theta: an adapter directory)."""

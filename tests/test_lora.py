@@ -149,15 +149,20 @@ def untimed(rows):
 
 @pytest.mark.slow
 def test_lora_checkpoints_resume_exactly_and_final_holds_a_merged_model(tmp_path):
-    """opid.py --lora_rank 8, 2 updates straight vs 1 update then --resume: the same rows and adapter; update1/ and
-    final/ are peft adapters, final/merged an HF model equal to the adapter merged into the base; --eval_only scores
-    the adapter directory and its merged model alike; a --resume with other LoRA flags is refused in one line."""
+    """opid.py --lora_rank 8 on 2 FSDP ranks, 2 updates straight vs 1 update then --resume: the same rows and adapter
+    (the sharded adapter and its AdamW state saved and restored); update1/ and final/ are peft adapters, final/merged
+    an HF model equal to the adapter merged into the base; --eval_only scores the adapter directory and its merged
+    model alike; a --resume with other LoRA flags is refused in one line."""
     from safetensors.torch import load_file
+    from conftest import free_port
     straight, split = tmp_path / "straight", tmp_path / "split"
     py = [sys.executable, str(HERE / "opid.py")]
-    run(py + ["--out_dir", str(straight), *FLAGS])
-    run(py + ["--out_dir", str(split), *FLAGS, "--updates", "1"])
-    res = run(py + ["--out_dir", str(split), *FLAGS, "--resume"])
+    def ranks():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), str(HERE / "opid.py")]
+    run(ranks() + ["--out_dir", str(straight), *FLAGS])
+    run(ranks() + ["--out_dir", str(split), *FLAGS, "--updates", "1"])
+    res = run(ranks() + ["--out_dir", str(split), *FLAGS, "--resume"])
     assert "resuming" in res.stdout and "update1" in res.stdout
     assert untimed(rows_of(split)) == untimed(rows_of(straight))
     a, b = (load_file(p / "final" / "adapter_model.safetensors") for p in (straight, split))
