@@ -102,8 +102,10 @@ NOT_HERE = {  # command -> why it cannot run in this test
                                           "tests/test_experiment.py::test_experiment_smoke_run runs it and checks its "
                                           "outputs (with --out, --threads 1, --parallel 2)",
     **{f"python -m tools.experiment{sub}": STUDY for sub in ("", " backbone", " mechanism", " hints", " dev", " runs",
-                                                             " scaled", " learn-dev", " learn", " learn-code",
-                                                             " learn-lora")},
+                                                             " scaled", " learn-dev", " learn")},
+    **{f"python -m tools.experiment {sub}": "learning-regime runs, ~30 min each on 2 cores; the arms' flags, plan and "
+       "table: tests/test_experiment.py::test_code_and_lora_arms_flags_plan_and_table_by_hand"
+       for sub in ("learn-code", "learn-lora")},
 }
 
 
