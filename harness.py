@@ -1220,8 +1220,8 @@ class RunArgs:
     lora_alpha: float = arg(32.0, "LoRA α (the adapters' scale is α/r)", above=0)
     lora_dropout: float = arg(0.0, "LoRA dropout on the adapters' input (0: the trainer's re-scoring of θ_old "
                                    "is exact)", at_least=0)
-    lora_targets: str = arg(LORA_TARGETS, "comma-separated linear module names to adapt (default: every projection of the "
-                            "attention and MLP blocks)")
+    lora_targets: str = arg(LORA_TARGETS, "comma-separated linear module names to adapt (default: every "
+                            "projection of the attention and MLP blocks)")
     # Rollout engine (models.make_engine; docs/engines.md)
     engine: str | None = arg(None, "hf (a transformers copy per rank) or vllm (default: vllm on GPU when installed, "
                                    "else hf)", ("hf", "vllm"), ops=True)

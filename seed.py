@@ -459,7 +459,8 @@ def main(args: Args):
         init = os.path.join(init, "merged") if args.lora_rank else init  # LoRA: stage 2's base is θ_sft, merged
     static = static_library(stage1) if args.skill_source == "static" else None
     theta = run.state if run.state and run.state != stage1 else init                 # resumed θ
-    policy = models.shard(models.load_policy(theta, init, args), d, args.bf16, grad_ckpt=args.grad_ckpt)  # l.3: θ ← θ_sft
+    policy = models.shard(models.load_policy(theta, init, args), d, args.bf16,
+                          grad_ckpt=args.grad_ckpt)                                  # Alg. 1 l.3: θ ← θ_sft
     ref = models.AdapterOff(policy) if args.lora_rank else \
         models.shard(models.load_model(init, args.seed), d, args.bf16, trainable=False)      # π_ref = θ_sft, frozen
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)

@@ -90,8 +90,8 @@ NOT_HERE = {  # command -> why it cannot run in this test
     "python seed.py --env alfworld --data_dir /path/to/alfworld --model Qwen/Qwen2.5-1.5B-Instruct --lora_rank 64 "
     "--lr 1e-5 --micro_batch 2 --gpu_memory_utilization 0.6 --out_dir runs/seed_lora":
         "one GPU and a hub model (Qwen2.5-1.5B); LoRA on CPU: tests/test_lora.py, the vLLM push: tests/test_vllm.py",
-    "python -m tools.bench --lora_rank 8": "5 rounds × 8 runs, ~40 minutes on 2 cores; its LoRA table on recorded rows: "
-                                           "tests/test_lora.py::test_bench_lora_table",
+    "python -m tools.bench --lora_rank 8": "5 rounds × 8 runs, ~40 minutes on 2 cores; its LoRA table on recorded "
+                                           "rows: tests/test_lora.py::test_bench_lora_table",
     "export ALFWORLD_DATA=/path/to/alfworld": PLACEHOLDER,
     "python seed.py --env webshop --data_dir /path/to/webshop/data": PLACEHOLDER + "; a hub model (Qwen2.5-3B)",
     "python opid.py --analyzer_url http://HOST:8000/v1 --analyzer_model NAME": PLACEHOLDER,

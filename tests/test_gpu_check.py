@@ -66,6 +66,7 @@ def test_gpu_check_cpu_smoke_passes_its_own_checks(tmp_path):
         ["| Qwen2.5-3B", "full", "47.0 / 70.5"], ["| Qwen2.5-3B", "LoRA r=64", "8.1 / 12.4"]]
     assert single[2].count("no: the trainer needs 70.5 GiB") == 2 and single[3].count("fits") == 3
     if importlib.util.find_spec("vllm"):  # the engine part's LoRA pushes: the engine samples from the adapter
-        pushes = re.findall(r"engine: LoRA push, (first|second) .*vs adapted trainer mean \|Δℓ\| \S+, max (\S+),", out)
+        pushes = re.findall(r"engine: LoRA push, (first|second) .*vs adapted trainer mean \|Δℓ\| \S+, max (\S+),",
+                            out)
         assert [p[0] for p in pushes] == ["first", "second"] and all(float(p[1]) < 1e-4 for p in pushes)
 

@@ -121,9 +121,9 @@ def child(out_path: str):
     out["pushed_hf"] = hf.generate(prompts, 40, 0.0)
     # LoRA (issue 57): the engine samples from the current adapter, W + (α/r)·B·A, after the first sync (every
     # weight) and after the second (the adapted weights alone); the base's log-probs show what a stale engine gives
-    lora = models.shard(models.load_policy(path, path, SimpleNamespace(lora_rank=8, lora_alpha=32.0, seed=0,
-                                                                       lora_dropout=0.0, bf16=False,
-                                                                       lora_targets=models.LORA_TARGETS)), d, bf16=False)
+    lora_args = SimpleNamespace(lora_rank=8, lora_alpha=32.0, seed=0, lora_dropout=0.0, bf16=False,
+                                lora_targets=models.LORA_TARGETS)
+    lora = models.shard(models.load_policy(path, path, lora_args), d, bf16=False)
     for push in ("first", "second"):
         fit(lora, [(p, r) for (p, _), (_, r) in zip(pairs, pairs[3:] + pairs[:3])], 5, 3e-3, d.device)
         engine.sync(lora)

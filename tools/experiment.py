@@ -14,7 +14,7 @@ report is made from.
   python -m tools.experiment learn-dev       # 3d. the learning regime's candidates: GRPO on the dev layouts (LEARN_DEV)
   python -m tools.experiment learn           # 3e. the frozen regime (LEARN_PICK): 4 methods x 5 seeds, run by run
   python -m tools.experiment curve           #     one GRPO learning curve on layout 0 -> <out>/curve.png (README)
-  python -m tools.experiment learn-code      # 3f. OPID and GRSD with --follow code on layout 0, beside their `learn` runs
+  python -m tools.experiment learn-code      # 3f. OPID and GRSD with --follow code on layout 0, beside `learn`
   python -m tools.experiment learn-lora      # 3g. GRPO with LoRA (LORA) on layout 0, beside its `learn` run
   python -m tools.experiment report          # 6. docs/results/table.md + curves.png from docs/results/runs.jsonl
   python -m tools.experiment oracle --port 8000    # 2. the oracle endpoint alone: POST http://127.0.0.1:8000/v1/chat/completions
@@ -462,8 +462,9 @@ def arm_table(records: list[dict], arms: tuple) -> str:
                       "|---|" + "---|" * (n + 1)]
             for name, x in ((label[0], runs.get((method, seed))), (label[1], r)):
                 if x is not None:
-                    lines.append(f"| {method} {name}, layout {seed} | " + " | ".join(
-                        f"{100 * t['success']:.0f}" for t in x["train"][:n]) + f" | {100 * final_eval(x, 'valid_seen'):.1f} % |")
+                    cells = " | ".join(f"{100 * t['success']:.0f}" for t in x["train"][:n])
+                    lines.append(f"| {method} {name}, layout {seed} | {cells} | "
+                                 f"{100 * final_eval(x, 'valid_seen'):.1f} % |")
             lines.append("")
     return "\n".join(lines)
 

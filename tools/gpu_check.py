@@ -364,7 +364,8 @@ def lora_push(engine, model_dir: str, prompts, n_new: int, d, bf16: bool) -> lis
             f"(vs the base: mean {m['base']['mean']:.2e})")
         assert m["synced"]["mean"] < m["base"]["mean"], "the engine samples from the base, not the adapter"
         if not bf16:
-            assert m["synced"]["max"] < 1e-4, f"fp32 engine vs LoRA trainer log-probs differ by {m['synced']['max']:.2e}"
+            assert m["synced"]["max"] < 1e-4, \
+                f"fp32 engine vs LoRA trainer log-probs differ by {m['synced']['max']:.2e}"
         out.append(m)
     return out
 
